@@ -1,0 +1,1 @@
+"""Pipeline definitions: the quickstart first, then pipelines written with ``mlplat.pipeline``."""

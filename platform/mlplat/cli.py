@@ -1,0 +1,102 @@
+"""The ``mlplat`` command. Errors the user can fix print as one line (exit 2), not a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from mlplat.errors import MlplatError
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set optim.lr=3e-4 (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlplat", description="LLM training and serving on Ray, tracked in MLflow.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("quickstart", help="demo data -> tiny model -> SFT on Ray Train -> MLflow -> eval")
+    _add_config_args(p)
+    p.add_argument("--address", help="Ray cluster address (default: start a local one)")
+
+    data = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    p = data.add_parser("demo", help="write the demo JSONL splits (sft, eval, preferences, rl_prompts)")
+    p.add_argument("--out", required=True, help="output directory")
+    _add_config_args(p)
+
+    model = sub.add_parser("model", help="model checkpoints").add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    p = model.add_parser("tiny", help="make a tiny Llama checkpoint (HF format) with a tokenizer trained on a chat JSONL")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--corpus", required=True, help="chat JSONL whose texts train the tokenizer")
+    _add_config_args(p)
+    p = model.add_parser("resolve", help="print the local directory of a path or models:/NAME/VERSION|@ALIAS")
+    p.add_argument("uri")
+
+    train = sub.add_parser("train", help="training recipes").add_subparsers(dest="recipe", required=True, metavar="RECIPE")
+    p = train.add_parser("sft", help="supervised fine-tuning on Ray Train (train_apps/sft.py)")
+    _add_config_args(p)
+    p.add_argument("--address", help="Ray cluster address (default: start a local one)")
+
+    p = sub.add_parser("eval", help="exact-match accuracy of a model on held-out prompts")
+    p.add_argument("--model", required=True, help="HF checkpoint directory or models:/NAME/VERSION|@ALIAS")
+    p.add_argument("--data", required=True, help="eval JSONL with 'messages' and 'answer'")
+    p.add_argument("--limit", type=int, help="evaluate only the first N rows")
+    return parser
+
+
+def _run(args: argparse.Namespace) -> None:
+    from mlplat.config import load_config
+
+    if args.command == "quickstart":
+        from pipelines.quickstart import QuickstartConfig, run_quickstart
+
+        run_quickstart(load_config(QuickstartConfig, args.config, args.overrides), address=args.address)
+    elif args.command == "data":
+        from mlplat.data.demo import DemoDataConfig, write_demo_data
+
+        paths = write_demo_data(args.out, load_config(DemoDataConfig, args.config, args.overrides))
+        print(json.dumps({k: str(v) for k, v in paths.model_dump().items()}, indent=2))
+    elif args.command == "model" and args.model_command == "tiny":
+        from mlplat.data.demo import tokenizer_corpus
+        from mlplat.models import TinyModelConfig, build_tiny_model
+
+        if not Path(args.corpus).is_file():
+            raise MlplatError(f"{args.corpus}: corpus file not found")
+        print(build_tiny_model(args.out, tokenizer_corpus(args.corpus), load_config(TinyModelConfig, args.config, args.overrides)))
+    elif args.command == "model" and args.model_command == "resolve":
+        from mlplat.tracking import resolve_model
+
+        print(resolve_model(args.uri))
+    elif args.command == "train":
+        import ray
+
+        from train_apps.sft import SFTConfig, run_sft
+
+        cfg = load_config(SFTConfig, args.config, args.overrides)
+        ray.init(address=args.address)
+        result = run_sft(cfg)
+        print(result.model_dump_json(indent=2))
+    elif args.command == "eval":
+        from mlplat.evaluation import evaluate_exact_match
+        from mlplat.tracking import resolve_model
+
+        result = evaluate_exact_match(resolve_model(args.model), args.data, limit=args.limit)
+        print(result.model_dump_json(indent=2))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        _run(args)
+    except MlplatError as err:
+        print(f"mlplat: error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

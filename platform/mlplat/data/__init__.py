@@ -1,0 +1,1 @@
+"""Data: demo datasets and Ray Data ingestion (read, validate, chat template, tokenize)."""

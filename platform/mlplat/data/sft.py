@@ -1,0 +1,135 @@
+"""Chat SFT ingestion with Ray Data: read JSONL -> validate -> chat template -> tokenize.
+
+Bad rows are skipped and counted, never silently: each is written with its file and
+reason to a rejects file, and the run summary reports the count. With
+``on_bad_row="fail"`` the first bad row stops the job instead, naming file and reason.
+Validation is one streaming pass that keeps only the (rare) bad rows; tokenization
+is a second, lazy pass that the trainer drives through ``get_dataset_shard``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import ray
+import ray.data
+from pydantic import BaseModel
+from ray.data.expressions import col
+
+from mlplat.config import Config
+from mlplat.errors import DataError
+
+ROLES = ("system", "user", "assistant", "tool")
+IGNORE_INDEX = -100
+
+
+class SFTDataConfig(Config):
+    path: str  # a JSONL file, a directory of them, or a glob; local or any pyarrow filesystem URI
+    max_seq_len: int = 128
+    on_bad_row: Literal["skip", "fail"] = "skip"
+    tokenize_concurrency: int = 1
+
+
+class DataReport(BaseModel):
+    bad_rows: int
+    rejects_path: str | None
+    first_error: str | None
+
+
+def chat_row_error(line: str) -> str:
+    """Why a JSONL line is not a valid chat SFT row ('' if it is)."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        return f"not valid JSON ({err.msg} at column {err.colno})"
+    if not isinstance(row, dict) or "messages" not in row:
+        return "missing field 'messages' (a list of {role, content})"
+    messages = row["messages"]
+    if not isinstance(messages, list) or not messages:
+        return "field 'messages' must be a non-empty list"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            return f"messages[{i}].role must be one of {list(ROLES)}"
+        if not isinstance(m.get("content"), str):
+            return f"messages[{i}].content must be a string"
+    if not any(m["role"] == "assistant" for m in messages):
+        return "no assistant message: nothing to learn from"
+    return ""
+
+
+def validate_chat_batch(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    batch["error"] = np.array([chat_row_error(line) for line in batch["text"]], dtype=object)
+    return batch
+
+
+def tokenize_chat(tokenizer, messages: list[dict], max_seq_len: int) -> tuple[list[int], list[int]]:
+    """Token ids and labels for one conversation; labels are IGNORE_INDEX except on assistant tokens."""
+    out = tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    input_ids = list(out["input_ids"])[:max_seq_len]
+    mask = list(out["assistant_masks"])[:max_seq_len]
+    if not any(mask):
+        raise DataError(
+            "the chat template marks no assistant tokens: it needs {% generation %} blocks "
+            "around assistant content (see mlplat.models.tokenizer.CHAT_TEMPLATE)"
+        )
+    labels = [t if m else IGNORE_INDEX for t, m in zip(input_ids, mask)]
+    return input_ids, labels
+
+
+class ChatTokenizer:
+    """Ray Data map_batches UDF: loads the tokenizer once per actor."""
+
+    def __init__(self, tokenizer_path: str, max_seq_len: int):
+        from mlplat.models import load_tokenizer
+
+        self.tokenizer = load_tokenizer(tokenizer_path)
+        self.max_seq_len = max_seq_len
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
+        input_ids, labels = [], []
+        for line in batch["text"]:
+            ids, lab = tokenize_chat(self.tokenizer, json.loads(line)["messages"], self.max_seq_len)
+            input_ids.append(np.asarray(ids, dtype=np.int64))
+            labels.append(np.asarray(lab, dtype=np.int64))
+        return {"input_ids": input_ids, "labels": labels}
+
+
+def read_jsonl_lines(path: str) -> ray.data.Dataset:
+    """Rows of ``{"text": line, "path": file}``; raises DataError if nothing is there."""
+    local = Path(path.removeprefix("file://"))
+    if "://" not in path or path.startswith("file://"):
+        if not any(ch in path for ch in "*?[") and not local.exists():
+            raise DataError(f"{path}: data path not found")
+    try:
+        return ray.data.read_text(path, include_paths=True, drop_empty_lines=True)
+    except (FileNotFoundError, ValueError) as err:
+        raise DataError(f"{path}: cannot read data ({err})") from None
+
+
+def prepare_sft_dataset(cfg: SFTDataConfig, tokenizer_path: str, rejects_dir: str | Path) -> tuple[ray.data.Dataset, DataReport]:
+    """Validate ``cfg.path`` (one pass, keeping only bad rows) and return the lazy tokenized dataset."""
+    validated = read_jsonl_lines(cfg.path).map_batches(validate_chat_batch, batch_format="numpy")
+    bad = validated.filter(expr=col("error") != "").materialize()
+    bad_rows = bad.count()
+    report = DataReport(bad_rows=bad_rows, rejects_path=None, first_error=None)
+    if bad_rows:
+        first = bad.take(1)[0]
+        report.first_error = f"{first['path']}: {first['error']}: {first['text'][:120]!r}"
+        if cfg.on_bad_row == "fail":
+            raise DataError(f"{report.first_error} ({bad_rows} bad rows; set data.on_bad_row=skip to skip them)")
+        rejects = Path(rejects_dir) / "rejects"
+        bad.repartition(1).write_json(str(rejects))
+        report.rejects_path = str(rejects)
+    good = validated.filter(expr=col("error") == "")
+    tokenized = good.map_batches(
+        ChatTokenizer,
+        fn_constructor_kwargs={"tokenizer_path": tokenizer_path, "max_seq_len": cfg.max_seq_len},
+        batch_format="numpy",
+        compute=ray.data.ActorPoolStrategy(size=cfg.tokenize_concurrency),
+    )
+    return tokenized, report

@@ -1,0 +1,53 @@
+"""Load and check local HF checkpoints (Llama / Qwen2 / Mistral family). Never downloads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from mlplat.errors import CheckpointError
+
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+def validate_checkpoint_dir(path: str | Path) -> Path:
+    """Check that ``path`` is an HF causal-LM checkpoint we can load; say what is missing if not."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: model directory not found")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{path}: not an HF checkpoint (no config.json)")
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{config_file}: not valid JSON ({err})") from None
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(
+            f"{config_file}: model_type {model_type!r} is not supported; "
+            f"expected one of {sorted(SUPPORTED_MODEL_TYPES)}"
+        )
+    if not any((path / f).is_file() for f in WEIGHT_FILES):
+        raise CheckpointError(f"{path}: no weights (expected one of {', '.join(WEIGHT_FILES)})")
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise CheckpointError(f"{path}: no tokenizer (expected one of {', '.join(TOKENIZER_FILES)})")
+    return path
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    path = validate_checkpoint_dir(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if tokenizer.chat_template is None:
+        raise CheckpointError(f"{path}: the tokenizer has no chat template (tokenizer_config.json)")
+    return tokenizer
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> PreTrainedModel:
+    path = validate_checkpoint_dir(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    return model.to(device)

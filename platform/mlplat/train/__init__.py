@@ -1,0 +1,1 @@
+"""Training components shared by the recipes in ``train_apps/``."""

@@ -1,0 +1,75 @@
+"""Typed configs reject bad input with the file and field named; the CLI prints one line."""
+
+import subprocess
+
+import pytest
+from conftest import MLPLAT
+
+from mlplat.config import load_config
+from mlplat.errors import ConfigError
+from train_apps.sft import SFTConfig
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "sft.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_valid_config_with_overrides(tmp_path):
+    path = write(tmp_path, "model: /m\ndata:\n  path: /d.jsonl\noptim:\n  lr: 0.001\n")
+    cfg = load_config(SFTConfig, path, ["optim.lr=3e-4", "max_steps=7"])
+    assert cfg.optim.lr == 3e-4 and cfg.max_steps == 7 and cfg.data.path == "/d.jsonl"
+
+
+def test_unknown_field_is_named(tmp_path):
+    path = write(tmp_path, "model: /m\ndata:\n  path: /d.jsonl\noptim:\n  lerning_rate: 0.1\n")
+    with pytest.raises(ConfigError, match=r"sft.yaml: optim.lerning_rate: unknown field"):
+        load_config(SFTConfig, path)
+
+
+def test_mistyped_field_is_named(tmp_path):
+    path = write(tmp_path, "model: /m\ndata:\n  path: /d.jsonl\nmax_steps: lots\n")
+    with pytest.raises(ConfigError, match=r"sft.yaml: max_steps: Input should be a valid integer"):
+        load_config(SFTConfig, path)
+
+
+def test_missing_required_field_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"data: Field required"):
+        load_config(SFTConfig, write(tmp_path, "model: /m\n"))
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [("model: [unclosed\n", "not valid YAML"), ("- a\n- b\n", "expected a mapping")],
+)
+def test_bad_yaml(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(SFTConfig, write(tmp_path, text))
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        load_config(SFTConfig, None, ["max_steps"])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train", "sft", "--config", "/nonexistent.yaml"], "/nonexistent.yaml: config file not found"),
+        (["train", "sft", "--set", "model=/m", "--set", "data.path=/d", "--set", "max_stepz=3"], "max_stepz: unknown field"),
+        (["eval", "--model", "/nonexistent", "--data", "x.jsonl"], "/nonexistent: model directory not found"),
+        (["model", "resolve", "models:/bad uri"], "expected models:/NAME/VERSION"),
+    ],
+)
+def test_cli_errors_are_one_line(args, message):
+    out = subprocess.run([MLPLAT, *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.startswith("mlplat: error:")]
+    assert len(lines) == 1 and message in lines[0], out.stderr
+
+
+def test_cli_bad_arguments_are_usage_errors():
+    out = subprocess.run([MLPLAT, "train", "nonsense"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "invalid choice" in out.stderr and "Traceback" not in out.stderr

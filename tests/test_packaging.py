@@ -1,0 +1,42 @@
+"""Install layout: `platform/` is a source root, never the stdlib-shadowing `platform` package."""
+
+import re
+import subprocess
+import sys
+
+from conftest import MLPLAT, REPO_ROOT
+
+
+def run_python(code: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def test_stdlib_platform_still_works_from_repo_root():
+    assert not (REPO_ROOT / "platform" / "__init__.py").exists()
+    out = run_python("import platform; print(platform.system()); import ray; print(ray.__version__)", REPO_ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] in {"Linux", "Darwin", "Windows"}
+
+
+def test_installed_packages_import_from_anywhere(tmp_path):
+    out = run_python(
+        "import mlplat, train_apps, serve_apps, pipelines, train_apps.sft, pipelines.quickstart; print(mlplat.__file__)",
+        tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "platform/mlplat/__init__.py" in out.stdout
+
+
+def test_cli_help_lists_subcommands():
+    out = subprocess.run([MLPLAT, "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    for command in ("quickstart", "data", "model", "train", "eval"):
+        assert command in out.stdout
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (REPO_ROOT / "README.md").read_text()
+    command = re.search(r"make test", readme)
+    assert command, "README names no test command"
+    ci = (REPO_ROOT / ".ci" / "run").read_text()
+    assert "make test" in ci and "make quickstart" not in ci

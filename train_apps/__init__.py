@@ -1,0 +1,1 @@
+"""Recipes: one readable Ray Train job per algorithm (``python -m train_apps.sft``)."""
