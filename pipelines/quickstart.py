@@ -9,11 +9,8 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-import ray
-import ray.data
 from pydantic import BaseModel
 
 from mlplat.config import Config
@@ -21,6 +18,7 @@ from mlplat.data.demo import DemoDataConfig, tokenizer_corpus, write_demo_data
 from mlplat.data.sft import SFTDataConfig
 from mlplat.evaluation import evaluate_exact_match
 from mlplat.models import TinyModelConfig, build_tiny_model
+from mlplat.runtime import init_ray
 from mlplat.tracking import RunLogger, default_tracking_uri, resolve_model
 from mlplat.train.optim import OptimizerConfig
 from train_apps.sft import SFTConfig, run_sft
@@ -63,12 +61,7 @@ def run_quickstart(cfg: QuickstartConfig = QuickstartConfig(), address: str | No
     print(f"      exact match before SFT: {before.accuracy:.1%} ({before.correct}/{before.total})")
 
     print(f"[3/5] SFT on Ray Train ({cfg.num_workers} workers, {cfg.max_steps} steps)")
-    dashboard_url = None
-    if not ray.is_initialized():
-        # Logical CPUs: the data pipeline's tasks share cores with the training workers.
-        num_cpus = None if address else max(os.cpu_count() or 1, cfg.num_workers + 2)
-        dashboard_url = ray.init(address=address, num_cpus=num_cpus).dashboard_url
-    ray.data.DataContext.get_current().enable_progress_bars = False  # keep the summary readable
+    dashboard_url = init_ray(address, cfg.num_workers)
     sft = run_sft(
         SFTConfig(
             model=str(base_dir),

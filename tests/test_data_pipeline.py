@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from mlplat.data.sft import IGNORE_INDEX, SFTDataConfig, chat_row_error, prepare_sft_dataset, tokenize_chat
+from mlplat.data.chat import chat_row_error, tokenize_chat
+from mlplat.data.sft import SFTDataConfig, prepare_sft_dataset
+from mlplat.train.batch import IGNORE_INDEX
 from mlplat.errors import DataError
 from mlplat.models import load_tokenizer
 

@@ -34,10 +34,10 @@ from ray.train import Checkpoint, CheckpointConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from mlplat.config import Config, to_flat_params
-from mlplat.data.sft import DataReport, SFTDataConfig, prepare_sft_dataset
+from mlplat.data.sft import DataReport, PadCollate, SFTDataConfig, prepare_sft_dataset
 from mlplat.models import load_model, load_tokenizer
+from mlplat.runtime import init_ray
 from mlplat.tracking import ModelRef, RunLogger, register_model_dir, resolve_model, start_run
-from mlplat.train.batch import PadCollate
 from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer
 from mlplat.train.step import StepStats, train_step
 
@@ -159,8 +159,7 @@ def run_sft(cfg: SFTConfig, tracking_uri: str | None = None, work_dir: str | Pat
 
     tracking_uri = tracking_uri or default_tracking_uri()
     model_dir = resolve_model(cfg.model, download_dir=Path(work_dir) / "downloads", tracking_uri=tracking_uri)
-    if not ray.is_initialized():
-        ray.init()
+    init_ray(num_training_workers=cfg.num_workers)
     run_id = start_run(cfg.experiment, cfg.run_name, params=to_flat_params(cfg), tags={"mlplat.recipe": "sft"}, tracking_uri=tracking_uri)
     logger = RunLogger(run_id, tracking_uri)
     try:

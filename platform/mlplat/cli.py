@@ -73,12 +73,11 @@ def _run(args: argparse.Namespace) -> None:
 
         print(resolve_model(args.uri))
     elif args.command == "train":
-        import ray
-
+        from mlplat.runtime import init_ray
         from train_apps.sft import SFTConfig, run_sft
 
         cfg = load_config(SFTConfig, args.config, args.overrides)
-        ray.init(address=args.address)
+        init_ray(args.address, cfg.num_workers)
         result = run_sft(cfg)
         print(result.model_dump_json(indent=2))
     elif args.command == "eval":

@@ -16,14 +16,15 @@ from typing import Literal
 import numpy as np
 import ray
 import ray.data
+import torch
 from pydantic import BaseModel
+from ray.data.collate_fn import NumpyBatchCollateFn
 from ray.data.expressions import col
 
 from mlplat.config import Config
+from mlplat.data.chat import check_chat_template, chat_row_error, tokenize_chat
 from mlplat.errors import DataError
-
-ROLES = ("system", "user", "assistant", "tool")
-IGNORE_INDEX = -100
+from mlplat.train.batch import pad_collate
 
 
 class SFTDataConfig(Config):
@@ -39,46 +40,9 @@ class DataReport(BaseModel):
     first_error: str | None
 
 
-def chat_row_error(line: str) -> str:
-    """Why a JSONL line is not a valid chat SFT row ('' if it is)."""
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as err:
-        return f"not valid JSON ({err.msg} at column {err.colno})"
-    if not isinstance(row, dict) or "messages" not in row:
-        return "missing field 'messages' (a list of {role, content})"
-    messages = row["messages"]
-    if not isinstance(messages, list) or not messages:
-        return "field 'messages' must be a non-empty list"
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            return f"messages[{i}].role must be one of {list(ROLES)}"
-        if not isinstance(m.get("content"), str):
-            return f"messages[{i}].content must be a string"
-    if not any(m["role"] == "assistant" for m in messages):
-        return "no assistant message: nothing to learn from"
-    return ""
-
-
 def validate_chat_batch(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     batch["error"] = np.array([chat_row_error(line) for line in batch["text"]], dtype=object)
     return batch
-
-
-def tokenize_chat(tokenizer, messages: list[dict], max_seq_len: int) -> tuple[list[int], list[int]]:
-    """Token ids and labels for one conversation; labels are IGNORE_INDEX except on assistant tokens."""
-    out = tokenizer.apply_chat_template(
-        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-    )
-    input_ids = list(out["input_ids"])[:max_seq_len]
-    mask = list(out["assistant_masks"])[:max_seq_len]
-    if not any(mask):
-        raise DataError(
-            "the chat template marks no assistant tokens: it needs {% generation %} blocks "
-            "around assistant content (see mlplat.models.tokenizer.CHAT_TEMPLATE)"
-        )
-    labels = [t if m else IGNORE_INDEX for t, m in zip(input_ids, mask)]
-    return input_ids, labels
 
 
 class ChatTokenizer:
@@ -99,6 +63,16 @@ class ChatTokenizer:
         return {"input_ids": input_ids, "labels": labels}
 
 
+class PadCollate(NumpyBatchCollateFn):
+    """``iter_torch_batches`` collate function: right-pad the tokenized rows into tensors."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        return pad_collate(batch, self.pad_token_id)
+
+
 def read_jsonl_lines(path: str) -> ray.data.Dataset:
     """Rows of ``{"text": line, "path": file}``; raises DataError if nothing is there."""
     local = Path(path.removeprefix("file://"))
@@ -113,6 +87,9 @@ def read_jsonl_lines(path: str) -> ray.data.Dataset:
 
 def prepare_sft_dataset(cfg: SFTDataConfig, tokenizer_path: str, rejects_dir: str | Path) -> tuple[ray.data.Dataset, DataReport]:
     """Validate ``cfg.path`` (one pass, keeping only bad rows) and return the lazy tokenized dataset."""
+    from mlplat.models import load_tokenizer
+
+    check_chat_template(load_tokenizer(tokenizer_path), tokenizer_path)
     validated = read_jsonl_lines(cfg.path).map_batches(validate_chat_batch, batch_format="numpy")
     bad = validated.filter(expr=col("error") != "").materialize()
     bad_rows = bad.count()

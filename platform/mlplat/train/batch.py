@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-from ray.data.collate_fn import NumpyBatchCollateFn
 
 IGNORE_INDEX = -100
 
@@ -22,16 +21,6 @@ def pad_collate(batch: dict[str, np.ndarray], pad_token_id: int) -> dict[str, to
         target[i, : len(lab)] = torch.as_tensor(lab)
         attention_mask[i, : len(r)] = 1
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": target}
-
-
-class PadCollate(NumpyBatchCollateFn):
-    """``iter_torch_batches`` collate function: ``pad_collate`` with a fixed pad id."""
-
-    def __init__(self, pad_token_id: int):
-        self.pad_token_id = pad_token_id
-
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        return pad_collate(batch, self.pad_token_id)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
