@@ -1,0 +1,12 @@
+"""The native inference engine: paged KV cache, continuous batching, prefix caching.
+
+Files, in reading order: config, sampling, sequence, block_manager, scheduler,
+model (Llama family over paged attention), runner (weights + KV cache), engine.
+"""
+
+from mlplat.engine.config import EngineConfig
+from mlplat.engine.engine import CompletionOutput, LLMEngine, RequestOutput
+from mlplat.engine.sampling import SamplingParams
+from mlplat.engine.scheduler import QueueFullError
+
+__all__ = ["CompletionOutput", "EngineConfig", "LLMEngine", "QueueFullError", "RequestOutput", "SamplingParams"]

@@ -1,0 +1,139 @@
+"""Paged KV-cache bookkeeping with prefix caching.
+
+A full block is keyed by the hash of its tokens chained with its parent block's
+hash, so equal keys mean equal prefixes. Blocks are reference-counted: sequences
+with a common prefix share its blocks. A block whose count drops to zero goes to the
+back of the free queue but keeps its hash: until it is reused (oldest first, LRU), a
+new sequence with the same prefix picks it up without recomputing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+from mlplat.engine.sequence import Sequence
+
+
+def block_hash(token_ids: list[int], parent_hash: int | None) -> int:
+    h = hashlib.blake2b(digest_size=8)
+    if parent_hash is not None:
+        h.update(parent_hash.to_bytes(8, "little"))
+    h.update(b"".join(t.to_bytes(4, "little") for t in token_ids))
+    return int.from_bytes(h.digest(), "little")
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: list[int] = []
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU order
+        self.hash_to_block: dict[int, int] = {}
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / len(self.blocks)
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of prompt tokens looked up in the prefix cache that were found there."""
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids holding the longest cached prefix of ``seq``'s full blocks.
+
+        At least one token is always left to compute, so the step yields logits."""
+        if not self.enable_prefix_caching:
+            return []
+        found, parent = [], None
+        for i in range((len(seq) - 1) // self.block_size):
+            tokens = seq.block_tokens(i, self.block_size)
+            parent = block_hash(tokens, parent)
+            block_id = self.hash_to_block.get(parent)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            found.append(block_id)
+        return found
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
+        """Make ``seq``'s block table cover ``num_computed + num_new_tokens`` tokens.
+
+        ``cached`` (for a sequence not yet started) are prefix blocks to share. Returns
+        False, changing nothing, when there are not enough free blocks."""
+        assert not cached or not seq.block_table
+        needed = (seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens + self.block_size - 1) // self.block_size
+        new = needed - len(seq.block_table) - len(cached)
+        reusable = sum(1 for b in cached if b in self.free)  # cached blocks sitting in the free queue
+        if new + reusable > len(self.free):
+            return False
+        for block_id in cached:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        if cached:
+            self.queried_tokens += len(seq) - 1
+            self.hit_tokens += len(cached) * self.block_size
+            seq.num_computed_tokens = len(cached) * self.block_size
+        elif seq.num_computed_tokens == 0 and self.enable_prefix_caching:
+            self.queried_tokens += len(seq) - 1
+        for _ in range(max(0, new)):
+            block_id, _ = self.free.popitem(last=False)  # least recently freed
+            block = self.blocks[block_id]
+            if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]  # evict from the prefix cache
+            block.hash, block.token_ids, block.ref_count = None, [], 1
+            seq.block_table.append(block_id)
+        return True
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks that ``seq`` has completely computed in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        parent = None
+        for i in range(seq.num_computed_tokens // self.block_size):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None:
+                block.token_ids = seq.block_tokens(i, self.block_size)
+                block.hash = block_hash(block.token_ids, parent)
+                self.hash_to_block.setdefault(block.hash, block.block_id)
+            parent = block.hash
+
+    def free_sequence(self, seq: Sequence) -> None:
+        # Release tail first, so a sequence's prefix is the last of it to be evicted.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def check_invariants(self, live: list[Sequence]) -> None:
+        """Every block is either free or referenced exactly as often as live tables hold it."""
+        refs = [0] * len(self.blocks)
+        for seq in live:
+            for block_id in seq.block_table:
+                refs[block_id] += 1
+        for block in self.blocks:
+            assert block.ref_count == refs[block.block_id], f"block {block.block_id}: {block.ref_count} != {refs[block.block_id]}"
+            assert (block.ref_count == 0) == (block.block_id in self.free), f"block {block.block_id} free-list mismatch"

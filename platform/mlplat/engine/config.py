@@ -1,0 +1,22 @@
+"""The engine's one typed config."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from mlplat.config import Config
+
+
+class EngineConfig(Config):
+    model: str  # local HF checkpoint directory (resolve models:/ URIs before building)
+    device: str = "cpu"  # "cuda" on a GPU; the same code runs on both
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    block_size: int = Field(16, ge=1)  # tokens per KV block
+    num_kv_blocks: int | None = Field(None, ge=1)  # None: fit max_num_seqs full-length sequences
+    max_num_seqs: int = Field(64, ge=1)  # sequences decoded together
+    max_num_batched_tokens: int = Field(2048, ge=1)  # token budget per step (prefill chunks + decodes)
+    max_waiting: int = Field(1024, ge=0)  # bounded queue: beyond it, add_request is refused
+    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
+    enable_prefix_caching: bool = True

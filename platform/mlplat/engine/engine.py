@@ -1,0 +1,218 @@
+"""LLMEngine: requests in, tokens out. Owns the scheduler, block manager and model runner.
+
+    engine = LLMEngine(EngineConfig(model="path/to/hf_checkpoint"))
+    outputs = engine.generate(["What is 2 + 2?"], SamplingParams(temperature=0))
+
+``step()`` is the continuous-batching loop body: schedule, run one forward, sample,
+append, finish. Serving and RL rollouts drive it; ``generate`` is the offline helper.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from itertools import count
+
+import torch
+
+from mlplat.engine.block_manager import BlockManager
+from mlplat.engine.config import EngineConfig
+from mlplat.engine.kv_transfer import KVPayload
+from mlplat.engine.runner import ModelRunner
+from mlplat.engine.sampling import SamplingParams, sample
+from mlplat.engine.scheduler import QueueFullError, Scheduler
+from mlplat.engine.sequence import Sequence, Status
+from mlplat.models.checkpoint import load_tokenizer
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[float] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.runner = ModelRunner(cfg)
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(cfg, self.block_manager)
+        self.requests: dict[str, list[Sequence]] = {}
+        self.eos_token_ids = {self.tokenizer.eos_token_id} | set(self._generation_eos())
+        self._request_ids = count()
+        self._finished_early: list[str] = []
+
+    def _generation_eos(self) -> list[int]:
+        eos = getattr(self.runner.hf_config, "eos_token_id", None)
+        return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams = SamplingParams(), request_id: str | None = None) -> str:
+        """Queue a prompt (text or token ids). Raises QueueFullError when the waiting queue is full."""
+        request_id = request_id or f"req-{next(self._request_ids)}"
+        assert request_id not in self.requests, f"duplicate request id {request_id}"
+        token_ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if len(token_ids) + params.max_tokens > self.runner.max_model_len:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
+                f"context of {self.runner.max_model_len} tokens"
+            )
+        seqs = [Sequence(request_id, token_ids, params, i) for i in range(params.n)]
+        for seq in seqs:
+            if params.seed is not None:
+                seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed + seq.sample_index)
+            seq.leader = seqs[0] if seq is not seqs[0] else None
+        self.scheduler.add(seqs)
+        self.requests[request_id] = seqs
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+        self.requests.pop(request_id, None)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One forward over the scheduled batch; returns outputs of requests that finished."""
+        early, self._finished_early = self._finished_early, []
+        batch = self.scheduler.schedule()
+        if not batch:
+            return [self._pop_output(r) for r in early]
+        logits = self.runner.run(batch)
+        tokens, logprobs = sample(logits, [s.params for s, _ in batch], [s.generator for s, _ in batch])
+        finished_requests = set()
+        for (seq, n), token, logprob in zip(batch, tokens.tolist(), logprobs.tolist()):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+            if seq.num_computed_tokens < len(seq):
+                continue  # a prefill chunk: nothing to sample yet
+            self._append(seq, token, logprob)
+            if seq.is_finished and all(s.is_finished for s in self.requests[seq.request_id]):
+                finished_requests.add(seq.request_id)
+        return [self._pop_output(r) for r in [*early, *finished_requests]]
+
+    def _append(self, seq: Sequence, token: int, logprob: float) -> None:
+        seq.token_ids.append(token)
+        seq.output_logprobs.append(logprob)
+        reason = self._finish_reason(seq)
+        if reason is None:
+            return
+        if seq.export_kv:  # a prefill-only request: copy its prompt KV out before the blocks go
+            seq.exported_kv = self.runner.read_kv(seq.block_table, seq.num_prompt_tokens)
+        if seq.status == Status.RUNNING:
+            self.scheduler.finish(seq, reason)
+        else:  # an imported request that stopped on its first token never entered the queue
+            self.block_manager.free_sequence(seq)
+            seq.status, seq.finish_reason = Status.FINISHED, reason
+            self._finished_early.append(seq.request_id)
+
+    def _finish_reason(self, seq: Sequence) -> str | None:
+        p, token = seq.params, seq.token_ids[-1]
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            return "stop"
+        if p.stop and self._stop_string_at(seq) is not None:
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens:
+            return "length"
+        return None
+
+    def _stop_string_at(self, seq: Sequence) -> int | None:
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        hits = [text.find(s) for s in seq.params.stop if s in text]
+        return min(hits) if hits else None
+
+    def _pop_output(self, request_id: str) -> RequestOutput:
+        seqs = self.requests.pop(request_id)
+        out = RequestOutput(request_id, seqs[0].token_ids[: seqs[0].num_prompt_tokens], finished=True)
+        for seq in seqs:
+            ids = seq.output_token_ids
+            if ids and (ids[-1] in self.eos_token_ids and not seq.params.ignore_eos or ids[-1] in seq.params.stop_token_ids):
+                ids = ids[:-1]  # the stop token itself is not part of the text
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            cut = self._stop_string_at(seq) if seq.params.stop else None
+            if cut is not None:
+                text = text[:cut]
+            out.outputs.append(
+                CompletionOutput(seq.sample_index, ids, text, seq.finish_reason, seq.output_logprobs[: len(ids)] if seq.params.logprobs else None)
+            )
+        return out
+
+    def generate(self, prompts: Iterable[str | list[int]], params: SamplingParams = SamplingParams()) -> list[RequestOutput]:
+        """Run prompts to completion with continuous batching; outputs in prompt order."""
+        ids = [self.add_request(p, params) for p in prompts]
+        done: dict[str, RequestOutput] = {}
+        while self.has_unfinished:
+            for out in self.step():
+                done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    # -- prefill/decode disaggregation ----------------------------------------------------------
+    def prefill(self, prompt: str | list[int], params: SamplingParams = SamplingParams()) -> KVPayload:
+        """Compute a prompt's KV and first token only, and hand them back (the prefill side).
+
+        Other requests in flight keep stepping meanwhile; the sequence's blocks are
+        released after the copy (its prefix stays in this engine's prefix cache)."""
+        request_id = self.add_request(prompt, params.model_copy(update={"n": 1, "max_tokens": 1, "stop": [], "stop_token_ids": []}))
+        seq = self.requests[request_id][0]
+        seq.export_kv = True
+        while not seq.is_finished:
+            self.step()
+        self.requests.pop(request_id, None)
+        n = seq.num_prompt_tokens
+        return KVPayload(seq.token_ids[:n], seq.token_ids[n], seq.output_logprobs[0], seq.exported_kv, self.runner.kv_layout)
+
+    def add_prefilled(self, payload: KVPayload, params: SamplingParams = SamplingParams(), request_id: str | None = None) -> str:
+        """Admit a request whose prompt KV and first token were computed elsewhere (the decode side).
+
+        It waits in the queue holding its KV blocks, and decodes from its first token on."""
+        payload.check_compatible(self.runner.kv_layout)
+        if params.n != 1:
+            raise ValueError("a prefilled request carries one sample (n=1)")
+        if len(self.scheduler.waiting) >= self.scheduler.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.scheduler.max_waiting} sequences); retry later")
+        request_id = request_id or f"req-{next(self._request_ids)}"
+        seq = Sequence(request_id, payload.prompt_token_ids, params)
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        if not self.block_manager.allocate_slots(seq, len(payload.prompt_token_ids)):
+            raise QueueFullError("no free KV blocks for the imported prompt; retry later")
+        self.runner.write_kv(seq.block_table, payload.kv)
+        seq.num_computed_tokens = len(payload.prompt_token_ids)
+        self.block_manager.cache_full_blocks(seq)
+        self.requests[request_id] = [seq]
+        self._append(seq, payload.first_token, payload.first_logprob)
+        if not seq.is_finished:
+            self.scheduler.add([seq])
+        return request_id
+
+    def live_sequences(self) -> list[Sequence]:
+        return [s for seqs in self.requests.values() for s in seqs if s.status != Status.FINISHED]
+
+    def update_weights(self, items: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor]) -> int:
+        """Load new HF-named weights in place (e.g. from a trainer); the KV cache is kept.
+
+        Cached prefixes were computed by the old weights, so the prefix cache is dropped."""
+        if isinstance(items, dict):
+            items = items.items()
+        loaded = self.runner.update_weights(items)
+        self.block_manager.hash_to_block.clear()
+        for block in self.block_manager.blocks:
+            block.hash, block.token_ids = None, []
+        return loaded

@@ -1,0 +1,114 @@
+"""The model runner: loads weights, owns the KV cache, turns a scheduled batch into one forward."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+
+from mlplat.engine.config import EngineConfig
+from mlplat.engine.model import AttentionMetadata, CausalLM, hf_state_dict_to_engine
+from mlplat.engine.sequence import Sequence
+from mlplat.errors import CheckpointError
+from mlplat.models.checkpoint import validate_checkpoint_dir
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def read_safetensors(model_dir: Path) -> Iterable[tuple[str, torch.Tensor]]:
+    index = model_dir / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    for file in files:
+        if not (model_dir / file).is_file():
+            raise CheckpointError(f"{model_dir}: the engine loads safetensors weights; {file} is missing")
+        with safe_open(model_dir / file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        model_dir = validate_checkpoint_dir(cfg.model)
+        self.hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        self.device = torch.device(cfg.device)
+        self.dtype = DTYPES[cfg.dtype]
+        self.max_model_len = cfg.max_model_len or self.hf_config.max_position_embeddings
+        with torch.device(self.device):
+            self.model = CausalLM(self.hf_config, self.max_model_len).to(self.dtype)
+        self.update_weights(read_safetensors(model_dir))
+        self.model.eval()
+
+        c = self.hf_config
+        self.block_size = cfg.block_size
+        self.num_blocks = cfg.num_kv_blocks or cfg.max_num_seqs * ((self.max_model_len + cfg.block_size - 1) // cfg.block_size)
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        # [layers, k/v, blocks, block_size, kv_heads, head_dim], allocated once.
+        self.kv_cache = torch.zeros(
+            c.num_hidden_layers, 2, self.num_blocks, cfg.block_size, c.num_key_value_heads, head_dim, dtype=self.dtype, device=self.device
+        )
+
+    @property
+    def kv_layout(self) -> dict:
+        num_layers, _, _, _, kv_heads, head_dim = self.kv_cache.shape
+        return {"num_layers": num_layers, "num_kv_heads": kv_heads, "head_dim": head_dim, "dtype": str(self.dtype)}
+
+    @torch.inference_mode()
+    def update_weights(self, items: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy HF-named tensors into the live parameters in place (no reallocation, KV cache untouched)."""
+        params = dict(self.model.named_parameters())
+        loaded = 0
+        for name, tensor in hf_state_dict_to_engine(items, self.hf_config):
+            if name not in params:
+                raise CheckpointError(f"unexpected weight {name!r} for model_type {self.hf_config.model_type!r}")
+            if params[name].shape != tensor.shape:
+                raise CheckpointError(f"weight {name!r}: shape {tuple(tensor.shape)} != {tuple(params[name].shape)}")
+            params[name].copy_(tensor)
+            loaded += 1
+        return loaded
+
+    def prepare(self, batch: list[tuple[Sequence, int]]):
+        """Flatten (sequence, number of new tokens) pairs into the model's step inputs."""
+        input_ids, positions, slots, query_lens, context_lens, logits_indices = [], [], [], [], [], []
+        bs = self.block_size
+        for seq, n in batch:
+            start = seq.num_computed_tokens
+            input_ids += seq.token_ids[start : start + n]
+            positions += range(start, start + n)
+            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            query_lens.append(n)
+            context_lens.append(start + n)
+            logits_indices.append(len(input_ids) - 1)
+        max_blocks = max(len(seq.block_table) for seq, _ in batch)
+        tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq, _ in batch]
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        meta = AttentionMetadata(
+            slot_mapping=as_tensor(slots),
+            query_lens=query_lens,
+            context_lens=as_tensor(context_lens),
+            block_tables=as_tensor(tables),
+            block_size=bs,
+        )
+        return as_tensor(input_ids), as_tensor(positions), meta, as_tensor(logits_indices)
+
+    @torch.inference_mode()
+    def run(self, batch: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """Logits [len(batch), V] at each sequence's last new token."""
+        input_ids, positions, meta, logits_indices = self.prepare(batch)
+        kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+        return self.model(input_ids, positions, kv_caches, meta, logits_indices)
+
+    def _slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        bs = self.block_size
+        return torch.tensor([block_table[p // bs] * bs + p % bs for p in range(num_tokens)], device=self.device)
+
+    def read_kv(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        """The first ``num_tokens`` tokens' KV, compact: [layers, 2, tokens, kv_heads, head_dim]."""
+        return self.kv_cache.flatten(2, 3)[:, :, self._slots(block_table, num_tokens)].clone()
+
+    def write_kv(self, block_table: list[int], kv: torch.Tensor) -> None:
+        self.kv_cache.flatten(2, 3)[:, :, self._slots(block_table, kv.shape[2])] = kv.to(self.device, self.dtype)

@@ -1,0 +1,108 @@
+"""Continuous batching with a per-step token budget, chunked prefill and preemption.
+
+Every step, running sequences go first (one token each for decodes, the next chunk
+for a prefill in progress), then waiting ones are admitted while the token budget,
+the sequence limit and free KV blocks allow. When a running sequence needs a block
+and none is free, the most recently admitted one is preempted: its blocks are freed
+and it waits again at the front, to be recomputed (its prefix is likely still cached).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from mlplat.engine.block_manager import BlockManager
+from mlplat.engine.config import EngineConfig
+from mlplat.engine.sequence import Sequence, Status
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound: the caller should retry later (HTTP 429/503)."""
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, block_manager: BlockManager):
+        self.max_num_seqs = cfg.max_num_seqs
+        self.max_num_batched_tokens = cfg.max_num_batched_tokens
+        self.max_waiting = cfg.max_waiting
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def add(self, seqs: list[Sequence]) -> None:
+        if len(self.waiting) + len(seqs) > self.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.max_waiting} sequences); retry later")
+        self.waiting.extend(seqs)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """The (sequence, number of new tokens) pairs for the next step."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(len(seq) - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(seq, n):
+                victim = self.running.pop()  # the most recently admitted
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                scheduled.append((seq, n))
+                budget -= n
+                i += 1
+                continue
+            break  # seq itself was preempted; everything after it already was too
+        if preempted:
+            return scheduled  # no admissions in a step that had to evict
+        skipped: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            leader = seq.leader
+            if leader is not None and not leader.is_finished and leader.num_computed_tokens < leader.num_prompt_tokens:
+                # n > 1: wait until sample 0 has computed the prompt, then share its cached blocks.
+                skipped.append(self.waiting.popleft())
+                continue
+            cached = self.block_manager.cached_prefix(seq) if seq.num_computed_tokens == 0 else []
+            n = min(len(seq) - len(cached) * self.block_manager.block_size - seq.num_computed_tokens, budget)
+            if not self.block_manager.allocate_slots(seq, n, cached):
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            scheduled.append((seq, n))
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+        return scheduled
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free_sequence(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.free_sequence(seq)
+        self.running.remove(seq)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Drop every sequence of a request, freeing its blocks at once."""
+        aborted = [s for s in (*self.waiting, *self.running) if s.request_id == request_id]
+        for seq in aborted:
+            if seq.status == Status.RUNNING:
+                self.running.remove(seq)
+            else:
+                self.waiting.remove(seq)
+            self.block_manager.free_sequence(seq)
+            seq.status = Status.FINISHED
+            seq.finish_reason = "abort"
+        return aborted

@@ -1,0 +1,246 @@
+"""The native engine against transformers: greedy equality, paged attention, prefix cache,
+chunked prefill, preemption, abort, sampling, KV export/import, in-place weight updates.
+Block accounting is checked after every step of every engine run here."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from pydantic import ValidationError
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from mlplat.engine import EngineConfig, LLMEngine, QueueFullError, SamplingParams
+from mlplat.engine.model import AttentionMetadata, paged_attention
+from mlplat.models import load_tokenizer
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def make_checkpoint(path, tokenizer, arch: str):
+    """A random-weight checkpoint whose logits are peaked enough that greedy has no near-ties."""
+    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2)
+    if arch == "llama":  # the tiny model's family: GQA, tied embeddings
+        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True))
+    elif arch == "qwen2":  # QKV bias, untied embeddings, Llama-3 rope scaling
+        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False, rope_parameters=rope))
+    else:  # qwen3: per-head q/k RMSNorm, explicit head_dim
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32, tie_word_embeddings=False))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def checkpoint(request, tmp_path_factory, tiny_model):
+    torch.manual_seed(0)
+    return make_checkpoint(tmp_path_factory.mktemp(request.param), load_tokenizer(tiny_model), request.param)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory, tiny_model):
+    torch.manual_seed(0)
+    return make_checkpoint(tmp_path_factory.mktemp("llama"), load_tokenizer(tiny_model), "llama")
+
+
+def prompts(n=5, seed=0, vocab=256) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(3, 41))] for _ in range(n)]
+
+
+def hf_greedy(path, prompt_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # the engine runs with ignore_eos
+    out = []
+    for ids in prompt_ids:
+        generated = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                   max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+        out.append(generated[0, len(ids):].tolist())
+    return out
+
+
+def run_checked(engine: LLMEngine, params=GREEDY, prompt_ids=None, on_step=None) -> list:
+    """Run to completion, checking block accounting after every step."""
+    ids = [engine.add_request(p, params) for p in prompt_ids]
+    done = {}
+    step = 0
+    while engine.has_unfinished:
+        for out in engine.step():
+            done[out.request_id] = out
+        engine.block_manager.check_invariants(engine.live_sequences())
+        step += 1
+        if on_step:
+            on_step(engine, step)
+    assert engine.block_manager.num_free_blocks == engine.runner.num_blocks, "blocks leaked"
+    return [done[i] for i in ids]
+
+
+def engine_for(path, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(path), **{"block_size": 4, "num_kv_blocks": 128, **kw}))
+
+
+def test_greedy_equals_transformers_generate(checkpoint):
+    batch = prompts()
+    outs = run_checked(engine_for(checkpoint), prompt_ids=batch)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(checkpoint, batch, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize("query_lens, context_lens", [([1, 1, 1], [5, 17, 9]), ([7, 3, 1], [7, 11, 20])])
+def test_paged_attention_equals_dense(query_lens, context_lens):
+    torch.manual_seed(0)
+    block_size, kv_heads, heads, dim, num_blocks = 4, 2, 4, 8, 32
+    k_cache, v_cache = torch.randn(2, num_blocks, block_size, kv_heads, dim).unbind(0)
+    order = torch.randperm(num_blocks).tolist()  # blocks scattered over the cache
+    tables, dense_k, dense_v = [], [], []
+    for ctx in context_lens:
+        table = [order.pop() for _ in range((ctx + block_size - 1) // block_size)]
+        tables.append(table + [0] * (8 - len(table)))
+        dense_k.append(k_cache[table].flatten(0, 1)[:ctx])
+        dense_v.append(v_cache[table].flatten(0, 1)[:ctx])
+    q = torch.randn(sum(query_lens), heads, dim)
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), query_lens, torch.tensor(context_lens), torch.tensor(tables), block_size)
+    out = paged_attention(q, k_cache, v_cache, meta, dim**-0.5)
+    start = 0
+    for n, ctx, k, v in zip(query_lens, context_lens, dense_k, dense_v):
+        k = k.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # [H, ctx, D]
+        v = v.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        scores = q[start:start + n].transpose(0, 1) @ k.transpose(1, 2) * dim**-0.5  # [H, n, ctx]
+        causal = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
+        ref = (scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v).transpose(0, 1)
+        torch.testing.assert_close(out[start:start + n], ref, atol=1e-5, rtol=1e-5)
+        start += n
+
+
+def test_prefix_cache_hits_give_identical_outputs(llama):
+    shared = prompts(1, seed=1)[0] + prompts(1, seed=2)[0]
+    batch = [shared + [5, 6, 7], shared + [9], shared[:-2]]
+    engine = engine_for(llama)
+    first = run_checked(engine, prompt_ids=batch[:1])
+    hits_before = engine.block_manager.hit_tokens
+    rest = run_checked(engine, prompt_ids=batch[1:])
+    assert engine.block_manager.hit_tokens - hits_before >= 2 * (len(shared) // 4 - 1) * 4
+    assert 0 < engine.block_manager.hit_rate <= 1
+    uncached = run_checked(engine_for(llama, enable_prefix_caching=False), prompt_ids=batch)
+    assert [o.outputs[0].token_ids for o in first + rest] == [o.outputs[0].token_ids for o in uncached]
+
+
+def test_chunked_prefill_and_preemption_leak_nothing(llama):
+    batch = prompts(6, seed=3)
+    reference = [o.outputs[0].token_ids for o in run_checked(engine_for(llama), prompt_ids=batch)]
+    # 14 blocks of 4 tokens cannot hold six 3-41 token prompts plus 12 outputs: preemption must happen.
+    engine = engine_for(llama, num_kv_blocks=14, max_num_batched_tokens=8, max_model_len=56)
+    outs = run_checked(engine, prompt_ids=batch)
+    assert engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == reference
+
+
+def test_abort_frees_blocks_at_once(llama):
+    engine = engine_for(llama)
+    ids = [engine.add_request(p, GREEDY) for p in prompts(3, seed=4)]
+    engine.step()
+    engine.step()
+    free_before = engine.block_manager.num_free_blocks
+    held = len(engine.requests[ids[1]][0].block_table)
+    engine.abort(ids[1])
+    assert held > 0 and engine.block_manager.num_free_blocks == free_before + held
+    engine.block_manager.check_invariants(engine.live_sequences())
+    finished = []
+    while engine.has_unfinished:
+        finished += engine.step()
+    assert sorted(o.request_id for o in finished) == sorted([ids[0], ids[2]])
+    assert engine.block_manager.num_free_blocks == engine.runner.num_blocks
+
+
+def test_seeded_sampling_is_reproducible_and_n_samples_share_the_prompt(llama):
+    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=7, max_tokens=10, n=4, ignore_eos=True)
+    prompt = prompts(1, seed=5)[0] + prompts(1, seed=6)[0]
+    engine = engine_for(llama)
+    a = run_checked(engine, params, [prompt])[0]
+    shared_blocks = (len(prompt) - 1) // 4
+    assert engine.block_manager.hit_tokens == 3 * shared_blocks * 4  # samples 1..3 reuse sample 0's prompt
+    b = run_checked(engine_for(llama), params, [prompt])[0]
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert len({tuple(o.token_ids) for o in a.outputs}) > 1
+    c = run_checked(engine_for(llama), params.model_copy(update={"seed": 8}), [prompt])[0]
+    assert [o.token_ids for o in c.outputs] != [o.token_ids for o in a.outputs]
+
+
+def test_logprobs_are_the_models(llama):
+    prompt = prompts(1, seed=9)[0]
+    out = run_checked(engine_for(llama), GREEDY.model_copy(update={"logprobs": True}), [prompt])[0].outputs[0]
+    model = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1]
+    expected = F.log_softmax(logits, -1).gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_stop_token_ids_stop_strings_and_max_tokens(llama):
+    engine = engine_for(llama)
+    prompt = prompts(1, seed=10)[0]
+    full = run_checked(engine, prompt_ids=[prompt])[0].outputs[0]
+    assert full.finish_reason == "length" and len(full.token_ids) == GREEDY.max_tokens
+    stop_id = full.token_ids[4]
+    cut = full.token_ids.index(stop_id)
+    stopped = run_checked(engine, GREEDY.model_copy(update={"stop_token_ids": [stop_id]}), [prompt])[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == full.token_ids[:cut]
+    # A stop string: the text of a later token that decodes to plain ASCII on its own.
+    stop_text = next(t for t in (engine.tokenizer.decode([i]) for i in full.token_ids[2:]) if t.isascii() and t.strip())
+    by_text = run_checked(engine, GREEDY.model_copy(update={"stop": [stop_text]}), [prompt])[0].outputs[0]
+    assert by_text.finish_reason == "stop"
+    assert by_text.text == full.text[: full.text.index(stop_text)]
+
+
+def test_kv_export_import_gives_identical_continuation(llama):
+    batch = prompts(3, seed=11)
+    reference = [o.outputs[0].token_ids for o in run_checked(engine_for(llama), prompt_ids=batch)]
+    prefill = engine_for(llama, block_size=4)
+    decode = engine_for(llama, block_size=8)  # a different block size: payloads are compact
+    ids = []
+    for prompt in batch:
+        payload = prefill.prefill(prompt, GREEDY)
+        assert payload.kv.shape[2] == len(prompt) and payload.nbytes > 0
+        ids.append(decode.add_prefilled(payload, GREEDY))
+    assert prefill.block_manager.num_free_blocks == prefill.runner.num_blocks
+    done = {}
+    while decode.has_unfinished:
+        done.update({o.request_id: o for o in decode.step()})
+        decode.block_manager.check_invariants(decode.live_sequences())
+    assert [done[i].outputs[0].token_ids for i in ids] == reference
+    payload.layout = {**payload.layout, "dtype": "torch.bfloat16"}
+    with pytest.raises(ValueError, match="dtype"):
+        decode.add_prefilled(payload, GREEDY)
+
+
+def test_update_weights_in_place(llama, tmp_path, tiny_model):
+    torch.manual_seed(1)
+    other = make_checkpoint(tmp_path / "other", load_tokenizer(tiny_model), "llama")
+    engine = engine_for(llama)
+    cache = engine.runner.kv_cache.data_ptr()
+    batch = prompts(2, seed=12)
+    before = [o.outputs[0].token_ids for o in run_checked(engine, prompt_ids=batch)]
+    state = AutoModelForCausalLM.from_pretrained(other).state_dict()
+    assert engine.update_weights(state) > 0
+    after = [o.outputs[0].token_ids for o in run_checked(engine, prompt_ids=batch)]
+    assert engine.runner.kv_cache.data_ptr() == cache
+    assert after == [o.outputs[0].token_ids for o in run_checked(engine_for(other), prompt_ids=batch)] != before
+
+
+def test_back_pressure_and_bad_requests(llama):
+    engine = engine_for(llama, max_waiting=2)
+    accepted = [engine.add_request(p, GREEDY) for p in prompts(2, seed=13)]
+    with pytest.raises(QueueFullError, match="waiting queue is full"):
+        engine.add_request([5, 6, 7], GREEDY)
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        engine.add_request([5] * 250, GREEDY)
+    with pytest.raises(ValidationError, match="top_p"):
+        SamplingParams(top_p=0)
+    finished = []
+    while engine.has_unfinished:
+        finished += engine.step()
+    assert sorted(o.request_id for o in finished) == sorted(accepted)
