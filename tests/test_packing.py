@@ -4,14 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from mlplat.data.packing import (
-    first_fit_decreasing,
-    pack_dataset,
-    pack_examples,
-    packed_model_inputs,
-    packing_efficiency,
-)
-from mlplat.train.batch import IGNORE_INDEX, causal_lm_loss
+from mlplat.data.packing import first_fit_decreasing, pack_dataset, pack_examples, packing_efficiency
+from mlplat.train.batch import IGNORE_INDEX, causal_lm_loss, packed_model_inputs
 
 PAD = 0
 VOCAB = 97

@@ -14,7 +14,7 @@ from train_apps.sft import MODEL_DIR, TRAIN_STATE, SFTConfig, run_sft
 def test_sft_on_two_workers_improves_loss_and_registers(ray_cluster, tracking_uri, demo_data, tiny_model, tmp_path):
     cfg = SFTConfig(
         model=str(tiny_model),
-        data=SFTDataConfig(path=str(demo_data.sft)),
+        data=SFTDataConfig(path=str(demo_data.sft), pack=True, max_seq_len=128),  # the quickstart covers unpacked
         optim=OptimizerConfig(lr=1e-3, warmup_steps=10),
         max_steps=60,
         batch_size_per_worker=16,

@@ -102,7 +102,7 @@ def train_loop_per_worker(config: dict) -> None:
     while step < cfg.max_steps:
         batches = shard.iter_torch_batches(
             batch_size=cfg.batch_size_per_worker,
-            collate_fn=PadCollate(tokenizer.pad_token_id),
+            collate_fn=None if cfg.data.pack else PadCollate(tokenizer.pad_token_id),  # packed rows are fixed-length
             drop_last=True,  # equal batch counts on every rank, so DDP never waits on a missing peer
             local_shuffle_buffer_size=8 * cfg.batch_size_per_worker,
             local_shuffle_seed=cfg.seed + step,

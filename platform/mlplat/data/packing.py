@@ -3,7 +3,7 @@
 Examples are packed into ``max_len`` blocks with first-fit-decreasing inside a window
 of rows (streaming: one window at a time, so a window's last blocks may be part-full).
 Each block carries ``seq_ids`` (document index per token, -1 on padding) and
-``position_ids`` restarting at 0 per document; ``packed_model_inputs`` turns these into
+``position_ids`` restarting at 0 per document; ``mlplat.train.batch.model_inputs`` turns these into
 a block-diagonal causal mask so no token attends to another document, and the label of
 every document's first token is IGNORE_INDEX so it is never predicted from the previous
 document. A packed row thus gives exactly the per-document losses of the unpacked rows.
@@ -12,15 +12,12 @@ document. A packed row thus gives exactly the per-document losses of the unpacke
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
 
 import numpy as np
 import ray.data
 import torch
 
-from mlplat.train.batch import IGNORE_INDEX
-
-PAD_SEQ_ID = -1
+from mlplat.train.batch import IGNORE_INDEX, PAD_SEQ_ID
 
 
 def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -108,36 +105,3 @@ def packing_efficiency(seq_ids: np.ndarray | torch.Tensor) -> float:
     """Share of non-padding tokens in packed rows: non-pad tokens / total tokens."""
     seq_ids = np.asarray(seq_ids)
     return float((seq_ids != PAD_SEQ_ID).sum() / max(seq_ids.size, 1))
-
-
-def document_causal_mask(seq_ids: torch.Tensor) -> torch.Tensor:
-    """``[batch, 1, L, L]`` bool, True where query i may attend key j: same document and j <= i.
-
-    Padding (seq id -1) forms a block of its own, so no query row is fully masked
-    (an all-masked row makes softmax NaN, and NaNs poison the backward pass).
-    """
-    length = seq_ids.shape[-1]
-    same_doc = seq_ids[:, :, None] == seq_ids[:, None, :]
-    causal = torch.ones(length, length, dtype=torch.bool, device=seq_ids.device).tril()
-    return (same_doc & causal)[:, None]
-
-
-def packed_model_inputs(
-    batch: dict[str, torch.Tensor],
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa",
-    dtype: torch.dtype = torch.float32,
-) -> dict[str, torch.Tensor]:
-    """Keyword arguments for an HF Llama-family forward on packed rows: ``model(**inputs)``.
-
-    transformers passes a 4D ``attention_mask`` through as-is (``masking_utils``), so it
-    must already be in the attention kernel's form: SDPA takes a bool mask (True =
-    attend); eager *adds* the mask to the scores, so it gets 0 / dtype-min in ``dtype``
-    (the model's compute dtype). The mask is O(L^2) per row; flash/varlen kernels that
-    take cumulative sequence lengths instead are the way for long rows on GPU.
-    """
-    mask = document_causal_mask(batch["seq_ids"])
-    if attn_implementation == "eager":
-        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
-    elif attn_implementation != "sdpa":
-        raise ValueError(f"attn_implementation {attn_implementation!r}: expected 'sdpa' or 'eager'")
-    return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "attention_mask": mask}

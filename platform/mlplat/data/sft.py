@@ -22,7 +22,8 @@ from ray.data.collate_fn import NumpyBatchCollateFn
 from ray.data.expressions import col
 
 from mlplat.config import Config
-from mlplat.data.chat import check_chat_template, chat_row_error, tokenize_chat
+from mlplat.data.chat import chat_row_error, check_chat_template, tokenize_chat
+from mlplat.data.packing import pack_dataset
 from mlplat.errors import DataError
 from mlplat.train.batch import pad_collate
 
@@ -32,6 +33,8 @@ class SFTDataConfig(Config):
     max_seq_len: int = 128
     on_bad_row: Literal["skip", "fail"] = "skip"
     tokenize_concurrency: int = 1
+    pack: bool = False  # pack examples into max_seq_len rows (no cross-document attention or loss)
+    pack_window_rows: int = 1024  # examples packed together (first-fit-decreasing) per window
 
 
 class DataReport(BaseModel):
@@ -89,7 +92,8 @@ def prepare_sft_dataset(cfg: SFTDataConfig, tokenizer_path: str, rejects_dir: st
     """Validate ``cfg.path`` (one pass, keeping only bad rows) and return the lazy tokenized dataset."""
     from mlplat.models import load_tokenizer
 
-    check_chat_template(load_tokenizer(tokenizer_path), tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path)
+    check_chat_template(tokenizer, tokenizer_path)
     validated = read_jsonl_lines(cfg.path).map_batches(validate_chat_batch, batch_format="numpy")
     bad = validated.filter(expr=col("error") != "").materialize()
     bad_rows = bad.count()
@@ -109,4 +113,6 @@ def prepare_sft_dataset(cfg: SFTDataConfig, tokenizer_path: str, rejects_dir: st
         batch_format="numpy",
         compute=ray.data.ActorPoolStrategy(size=cfg.tokenize_concurrency),
     )
+    if cfg.pack:
+        tokenized = pack_dataset(tokenized, cfg.max_seq_len, tokenizer.pad_token_id, cfg.pack_window_rows)
     return tokenized, report

@@ -108,14 +108,16 @@ class BlockManager:
         """Register the blocks that ``seq`` has completely computed in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        parent = None
-        for i in range(seq.num_computed_tokens // self.block_size):
+        start = seq.num_hashed_blocks
+        parent = self.blocks[seq.block_table[start - 1]].hash if start else None
+        for i in range(start, seq.num_computed_tokens // self.block_size):
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
                 block.token_ids = seq.block_tokens(i, self.block_size)
                 block.hash = block_hash(block.token_ids, parent)
                 self.hash_to_block.setdefault(block.hash, block.block_id)
             parent = block.hash
+            seq.num_hashed_blocks = i + 1
 
     def free_sequence(self, seq: Sequence) -> None:
         # Release tail first, so a sequence's prefix is the last of it to be evicted.
@@ -127,6 +129,7 @@ class BlockManager:
                 self.free[block_id] = None
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_hashed_blocks = 0
 
     def check_invariants(self, live: list[Sequence]) -> None:
         """Every block is either free or referenced exactly as often as live tables hold it."""

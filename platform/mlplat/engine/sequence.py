@@ -28,6 +28,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.block_table: list[int] = []
+        self.num_hashed_blocks = 0  # leading blocks already registered in the prefix cache
         self.params = params
         self.status = Status.WAITING
         self.finish_reason: str | None = None

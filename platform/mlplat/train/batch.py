@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
+PAD_SEQ_ID = -1  # seq_ids of padding in packed rows (mlplat.data.packing)
 
 
 def pad_collate(batch: dict[str, np.ndarray], pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -33,3 +36,48 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     shift_labels = labels[:, 1:].reshape(-1)
     loss_sum = F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
     return loss_sum, (shift_labels != IGNORE_INDEX).sum()
+
+
+def document_causal_mask(seq_ids: torch.Tensor) -> torch.Tensor:
+    """``[batch, 1, L, L]`` bool, True where query i may attend key j: same document and j <= i.
+
+    Padding (seq id -1) forms a block of its own, so no query row is fully masked
+    (an all-masked row makes softmax NaN, and NaNs poison the backward pass).
+    """
+    length = seq_ids.shape[-1]
+    same_doc = seq_ids[:, :, None] == seq_ids[:, None, :]
+    causal = torch.ones(length, length, dtype=torch.bool, device=seq_ids.device).tril()
+    return (same_doc & causal)[:, None]
+
+
+def packed_model_inputs(
+    batch: dict[str, torch.Tensor],
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa",
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
+    """Keyword arguments for an HF Llama-family forward on packed rows: ``model(**inputs)``.
+
+    transformers passes a 4D ``attention_mask`` through as-is (``masking_utils``), so it
+    must already be in the attention kernel's form: SDPA takes a bool mask (True =
+    attend); eager *adds* the mask to the scores, so it gets 0 / dtype-min in ``dtype``
+    (the model's compute dtype). The mask is O(L^2) per row; flash/varlen kernels that
+    take cumulative sequence lengths instead are the way for long rows on GPU.
+    """
+    mask = document_causal_mask(batch["seq_ids"])
+    if attn_implementation == "eager":
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    elif attn_implementation != "sdpa":
+        raise ValueError(f"attn_implementation {attn_implementation!r}: expected 'sdpa' or 'eager'")
+    return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "attention_mask": mask}
+
+
+def model_inputs(batch: dict[str, torch.Tensor], attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Forward kwargs for a padded batch (2-D ``attention_mask``) or a packed one (``seq_ids``)."""
+    if "seq_ids" in batch:
+        return packed_model_inputs(batch, attn_implementation, dtype)
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+
+def count_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Non-padding tokens in a padded or packed batch."""
+    return (batch["seq_ids"] != PAD_SEQ_ID).sum() if "seq_ids" in batch else batch["attention_mask"].sum()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mlplat.train.batch import causal_lm_loss
+from mlplat.train.batch import causal_lm_loss, count_tokens, model_inputs
 
 
 @dataclass
@@ -42,9 +42,9 @@ def train_step(
     device_type = batch["input_ids"].device.type
     autocast = torch.autocast(device_type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     with autocast:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = model(**model_inputs(batch)).logits
     loss_sum, n_targets = causal_lm_loss(logits, batch["labels"])
-    counts = _all_reduce_sum(torch.stack([n_targets, batch["attention_mask"].sum()]).to(torch.float64))
+    counts = _all_reduce_sum(torch.stack([n_targets, count_tokens(batch)]).to(torch.float64))
     (loss_sum * world_size / counts[0].clamp(min=1)).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
