@@ -72,10 +72,11 @@ class BlockManager:
             found.append(block_id)
         return found
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached: list[int] = (), after_lookup: bool = False) -> bool:
         """Make ``seq``'s block table cover ``num_computed + num_new_tokens`` tokens.
 
-        ``cached`` (for a sequence not yet started) are prefix blocks to share. Returns
+        ``cached`` (for a sequence not yet started) are prefix blocks to share, found by
+        ``cached_prefix``; ``after_lookup`` counts the lookup in the hit rate. Returns
         False, changing nothing, when there are not enough free blocks."""
         assert not cached or not seq.block_table
         needed = (seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens + self.block_size - 1) // self.block_size
@@ -89,12 +90,10 @@ class BlockManager:
                 del self.free[block_id]
             block.ref_count += 1
             seq.block_table.append(block_id)
-        if cached:
+        if after_lookup and self.enable_prefix_caching:
             self.queried_tokens += len(seq) - 1
             self.hit_tokens += len(cached) * self.block_size
-            seq.num_computed_tokens = len(cached) * self.block_size
-        elif seq.num_computed_tokens == 0 and self.enable_prefix_caching:
-            self.queried_tokens += len(seq) - 1
+        seq.num_computed_tokens += len(cached) * self.block_size
         for _ in range(max(0, new)):
             block_id, _ = self.free.popitem(last=False)  # least recently freed
             block = self.blocks[block_id]

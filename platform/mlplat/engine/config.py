@@ -20,3 +20,4 @@ class EngineConfig(Config):
     max_waiting: int = Field(1024, ge=0)  # bounded queue: beyond it, add_request is refused
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
     enable_prefix_caching: bool = True
+    quantization: Literal["int8"] | None = None  # int8: weight-only, per-output-channel scales

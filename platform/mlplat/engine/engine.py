@@ -163,6 +163,22 @@ class LLMEngine:
                 done[out.request_id] = out
         return [done[i] for i in ids]
 
+    def score(self, token_ids: list[int]) -> list[float]:
+        """Log-prob of each token after the first given the ones before it (teacher forcing).
+
+        For perplexity and for RL's log-probs of given completions; runs between steps."""
+        if len(token_ids) < 2 or len(token_ids) > self.runner.max_model_len:
+            raise ValueError(f"score needs 2..{self.runner.max_model_len} tokens, got {len(token_ids)}")
+        seq = Sequence("score", token_ids, SamplingParams())
+        if not self.block_manager.allocate_slots(seq, len(token_ids)):
+            raise QueueFullError("no free KV blocks to score this sequence; retry later")
+        try:
+            logits = self.runner.run([(seq, len(token_ids))], all_logits=True)
+        finally:
+            self.block_manager.free_sequence(seq)
+        targets = torch.tensor(token_ids[1:], device=logits.device)[:, None]
+        return torch.log_softmax(logits[:-1].float(), dim=-1).gather(1, targets)[:, 0].tolist()
+
     # -- prefill/decode disaggregation ----------------------------------------------------------
     def prefill(self, prompt: str | list[int], params: SamplingParams = SamplingParams()) -> KVPayload:
         """Compute a prompt's KV and first token only, and hand them back (the prefill side).

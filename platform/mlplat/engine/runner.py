@@ -12,6 +12,7 @@ from transformers import AutoConfig
 
 from mlplat.engine.config import EngineConfig
 from mlplat.engine.model import AttentionMetadata, CausalLM, hf_state_dict_to_engine
+from mlplat.engine.quant import Int8Linear, quantize_int8_
 from mlplat.engine.sequence import Sequence
 from mlplat.errors import CheckpointError
 from mlplat.models.checkpoint import validate_checkpoint_dir
@@ -41,6 +42,8 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = CausalLM(self.hf_config, self.max_model_len).to(self.dtype)
         self.update_weights(read_safetensors(model_dir))
+        if cfg.quantization == "int8":
+            quantize_int8_(self.model)
         self.model.eval()
 
         c = self.hf_config
@@ -61,17 +64,28 @@ class ModelRunner:
     def update_weights(self, items: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy HF-named tensors into the live parameters in place (no reallocation, KV cache untouched)."""
         params = dict(self.model.named_parameters())
+        modules = dict(self.model.named_modules())
         loaded = 0
         for name, tensor in hf_state_dict_to_engine(items, self.hf_config):
-            if name not in params:
+            module_name, _, attr = name.rpartition(".")
+            module = modules.get(module_name)
+            if isinstance(module, Int8Linear) and attr == "weight":
+                expected = (module.out_features, module.in_features)
+                if tuple(tensor.shape) != expected:
+                    raise CheckpointError(f"weight {name!r}: shape {tuple(tensor.shape)} != {expected}")
+                module.load_weight(tensor)  # re-quantized in place
+            elif name in params:
+                if params[name].shape != tensor.shape:
+                    raise CheckpointError(f"weight {name!r}: shape {tuple(tensor.shape)} != {tuple(params[name].shape)}")
+                params[name].copy_(tensor)
+                if name == "embed_tokens.weight" and isinstance(self.model.lm_head, Int8Linear):
+                    self.model.lm_head.load_weight(tensor)  # tied: the quantized head is a copy
+            else:
                 raise CheckpointError(f"unexpected weight {name!r} for model_type {self.hf_config.model_type!r}")
-            if params[name].shape != tensor.shape:
-                raise CheckpointError(f"weight {name!r}: shape {tuple(tensor.shape)} != {tuple(params[name].shape)}")
-            params[name].copy_(tensor)
             loaded += 1
         return loaded
 
-    def prepare(self, batch: list[tuple[Sequence, int]]):
+    def prepare(self, batch: list[tuple[Sequence, int]], all_logits: bool = False):
         """Flatten (sequence, number of new tokens) pairs into the model's step inputs."""
         input_ids, positions, slots, query_lens, context_lens, logits_indices = [], [], [], [], [], []
         bs = self.block_size
@@ -82,7 +96,7 @@ class ModelRunner:
             slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
             query_lens.append(n)
             context_lens.append(start + n)
-            logits_indices.append(len(input_ids) - 1)
+            logits_indices += range(len(input_ids) - n, len(input_ids)) if all_logits else [len(input_ids) - 1]
         max_blocks = max(len(seq.block_table) for seq, _ in batch)
         tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq, _ in batch]
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
@@ -96,9 +110,9 @@ class ModelRunner:
         return as_tensor(input_ids), as_tensor(positions), meta, as_tensor(logits_indices)
 
     @torch.inference_mode()
-    def run(self, batch: list[tuple[Sequence, int]]) -> torch.Tensor:
-        """Logits [len(batch), V] at each sequence's last new token."""
-        input_ids, positions, meta, logits_indices = self.prepare(batch)
+    def run(self, batch: list[tuple[Sequence, int]], all_logits: bool = False) -> torch.Tensor:
+        """Logits [len(batch), V] at each sequence's last new token (every new token if ``all_logits``)."""
+        input_ids, positions, meta, logits_indices = self.prepare(batch, all_logits)
         kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         return self.model(input_ids, positions, kv_caches, meta, logits_indices)
 

@@ -70,9 +70,10 @@ class Scheduler:
                 # n > 1: wait until sample 0 has computed the prompt, then share its cached blocks.
                 skipped.append(self.waiting.popleft())
                 continue
-            cached = self.block_manager.cached_prefix(seq) if seq.num_computed_tokens == 0 else []
+            fresh = seq.num_computed_tokens == 0  # not an imported (prefilled) sequence
+            cached = self.block_manager.cached_prefix(seq) if fresh else []
             n = min(len(seq) - len(cached) * self.block_manager.block_size - seq.num_computed_tokens, budget)
-            if not self.block_manager.allocate_slots(seq, n, cached):
+            if not self.block_manager.allocate_slots(seq, n, cached, after_lookup=fresh):
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
