@@ -13,6 +13,8 @@ from pydantic import ValidationError
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from mlplat.engine import EngineConfig, LLMEngine, QueueFullError, SamplingParams
+from mlplat.engine.config import SpeculativeConfig
+from mlplat.engine.spec_decode import verify
 from mlplat.engine.model import AttentionMetadata, paged_attention
 from mlplat.models import load_tokenizer
 
@@ -281,3 +283,53 @@ def test_int8_weight_only(llama, tmp_path, tiny_model):
     int8.update_weights(AutoModelForCausalLM.from_pretrained(other).state_dict())
     other_int8 = engine_for(other, quantization="int8")
     assert int8.score(tokens) == pytest.approx(other_int8.score(tokens), abs=1e-5)
+
+
+def spec_engine(path, method: str, draft=None, **kw) -> LLMEngine:
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=4, draft_model=str(draft) if draft else None)
+    return engine_for(path, speculative=spec, **kw)
+
+
+def test_ngram_speculation_is_lossless_for_greedy(llama):
+    batch = [[5, 6, 7, 8, 9, 10] * 6, *prompts(3, seed=17)]  # one repetitive prompt, for lookups to hit
+    reference = [o.outputs[0].token_ids for o in run_checked(engine_for(llama), prompt_ids=batch)]
+    engine = spec_engine(llama, "ngram")
+    assert [o.outputs[0].token_ids for o in run_checked(engine, prompt_ids=batch)] == reference
+    assert engine.num_draft_tokens > 0
+
+
+def test_draft_model_speculation(llama, tmp_path, tiny_model):
+    batch = prompts(4, seed=18)
+    reference = [o.outputs[0].token_ids for o in run_checked(engine_for(llama), prompt_ids=batch)]
+    # The target as its own draft: every draft must be accepted.
+    same = spec_engine(llama, "draft_model", draft=llama)
+    assert [o.outputs[0].token_ids for o in run_checked(same, prompt_ids=batch)] == reference
+    assert same.spec_acceptance_rate == 1.0
+    # An unrelated draft: outputs still identical to plain greedy, whatever is accepted.
+    torch.manual_seed(2)
+    other = make_checkpoint(tmp_path / "draft", load_tokenizer(tiny_model), "llama")
+    engine = spec_engine(llama, "draft_model", draft=other, num_kv_blocks=24, max_num_batched_tokens=16)
+    assert [o.outputs[0].token_ids for o in run_checked(engine, prompt_ids=batch)] == reference
+    assert engine.num_draft_tokens > 0 and engine.spec_acceptance_rate < 1.0
+    engine.drafter.retain(set())  # what the next step does once those sequences are gone
+    assert not engine.drafter.mirrors and engine.drafter.blocks.num_free_blocks == engine.drafter.runner.num_blocks
+
+
+@pytest.mark.parametrize("draft", [0, 4])  # the most and the least likely token as the draft
+def test_rejection_sampling_keeps_the_target_distribution(draft):
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0], [0.0] * 6])
+    params = SamplingParams(temperature=1.0)
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros(6)
+    trials = 20_000
+    for _ in range(trials):
+        counts[verify(logits, [draft], params, generator)[0]] += 1
+    torch.testing.assert_close(counts / trials, torch.softmax(logits[0], -1), atol=0.012, rtol=0)
+
+
+def test_speculative_sampling_is_seeded(llama):
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=10, ignore_eos=True)
+    batch = [[5, 6, 7, 8] * 8]
+    a = run_checked(spec_engine(llama, "ngram"), params, batch)[0].outputs[0].token_ids
+    b = run_checked(spec_engine(llama, "ngram"), params, batch)[0].outputs[0].token_ids
+    assert a == b and len(a) == 10

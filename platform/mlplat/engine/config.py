@@ -9,6 +9,14 @@ from pydantic import Field
 from mlplat.config import Config
 
 
+class SpeculativeConfig(Config):
+    method: Literal["ngram", "draft_model"]
+    num_speculative_tokens: int = Field(4, ge=1)
+    ngram_max: int = Field(3, ge=1)  # prompt lookup: longest suffix n-gram to match
+    ngram_min: int = Field(1, ge=1)
+    draft_model: str | None = None  # HF checkpoint sharing the target's tokenizer
+
+
 class EngineConfig(Config):
     model: str  # local HF checkpoint directory (resolve models:/ URIs before building)
     device: str = "cpu"  # "cuda" on a GPU; the same code runs on both
@@ -21,3 +29,4 @@ class EngineConfig(Config):
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
     enable_prefix_caching: bool = True
     quantization: Literal["int8"] | None = None  # int8: weight-only, per-output-channel scales
+    speculative: SpeculativeConfig | None = None

@@ -22,6 +22,7 @@ from mlplat.engine.runner import ModelRunner
 from mlplat.engine.sampling import SamplingParams, sample
 from mlplat.engine.scheduler import QueueFullError, Scheduler
 from mlplat.engine.sequence import Sequence, Status
+from mlplat.engine.spec_decode import DraftModelDrafter, NgramDrafter, verify
 from mlplat.models.checkpoint import load_tokenizer
 
 
@@ -53,6 +54,25 @@ class LLMEngine:
         self.eos_token_ids = {self.tokenizer.eos_token_id} | set(self._generation_eos())
         self._request_ids = count()
         self._finished_early: list[str] = []
+        self.drafter = self._build_drafter(cfg)
+        self.num_draft_tokens = self.num_accepted_tokens = 0
+
+    def _build_drafter(self, cfg: EngineConfig):
+        spec = cfg.speculative
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramDrafter(spec)
+        if spec.draft_model is None:
+            raise ValueError("speculative.draft_model is required for method 'draft_model'")
+        draft_cfg = cfg.model_copy(update={"model": spec.draft_model, "speculative": None, "quantization": None})
+        runner = ModelRunner(draft_cfg)
+        if runner.hf_config.vocab_size != self.runner.hf_config.vocab_size:
+            raise ValueError(
+                f"draft model vocab ({runner.hf_config.vocab_size}) differs from the target's "
+                f"({self.runner.hf_config.vocab_size}): they must share a tokenizer"
+            )
+        return DraftModelDrafter(runner, cfg.block_size)
 
     def _generation_eos(self) -> list[int]:
         eos = getattr(self.runner.hf_config, "eos_token_id", None)
@@ -95,18 +115,65 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return [self._pop_output(r) for r in early]
-        logits = self.runner.run(batch)
-        tokens, logprobs = sample(logits, [s.params for s, _ in batch], [s.generator for s, _ in batch])
+        drafts = self._propose(batch)
+        logits = self.runner.run([(s, n + len(d)) for (s, n), d in zip(batch, drafts)], [len(d) + 1 for d in drafts])
+        rows = logits.split([len(d) + 1 for d in drafts])
+        plain = [i for i, d in enumerate(drafts) if not d]
+        sampled = {}
+        if plain:
+            tokens, logprobs = sample(torch.stack([rows[i][-1] for i in plain]), [batch[i][0].params for i in plain], [batch[i][0].generator for i in plain])
+            sampled = {i: [(t, lp)] for i, t, lp in zip(plain, tokens.tolist(), logprobs.tolist())}
         finished_requests = set()
-        for (seq, n), token, logprob in zip(batch, tokens.tolist(), logprobs.tolist()):
+        for i, ((seq, n), d) in enumerate(zip(batch, drafts)):
             seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
+            if d:
+                del seq.token_ids[len(seq) - len(d) :]  # drafts join the sequence only once verified
+                sampled[i] = self._verified(seq, rows[i], d)
             if seq.num_computed_tokens < len(seq):
+                self.block_manager.cache_full_blocks(seq)
                 continue  # a prefill chunk: nothing to sample yet
-            self._append(seq, token, logprob)
+            for j, (token, logprob) in enumerate(sampled[i]):
+                if j > 0:
+                    seq.num_computed_tokens += 1  # the accepted draft before this token is in the cache
+                self._append(seq, token, logprob)
+                if seq.is_finished:
+                    break
+            if not seq.is_finished:
+                self.block_manager.cache_full_blocks(seq)
             if seq.is_finished and all(s.is_finished for s in self.requests[seq.request_id]):
                 finished_requests.add(seq.request_id)
         return [self._pop_output(r) for r in [*early, *finished_requests]]
+
+    # -- speculative decoding ---------------------------------------------------------------
+    def _propose(self, batch: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """Draft tokens per scheduled sequence ([] where none), appended to it for the step."""
+        drafts: list[list[int]] = [[] for _ in batch]
+        if self.drafter is None:
+            return drafts
+        self.drafter.retain({s.seq_id for s in self.live_sequences()})
+        k = self.cfg.speculative.num_speculative_tokens
+        decoding = [i for i, (s, n) in enumerate(batch) if s.num_output_tokens > 0 and s.num_computed_tokens + n == len(s)]
+        budgets = [
+            min(k, s.params.max_tokens - s.num_output_tokens - 1, self.runner.max_model_len - len(s) - 1)
+            for s in (batch[i][0] for i in decoding)
+        ]
+        for i, d in zip(decoding, self.drafter.propose([batch[i][0] for i in decoding], budgets)):
+            seq, n = batch[i]
+            if d and self.block_manager.allocate_slots(seq, n + len(d)):
+                seq.token_ids += d
+                drafts[i] = d
+        return drafts
+
+    def _verified(self, seq: Sequence, rows: torch.Tensor, drafts: list[int]) -> list[tuple[int, float]]:
+        emitted = verify(rows, drafts, seq.params, seq.generator)
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_tokens += len(emitted) - 1
+        logprobs = torch.log_softmax(rows.float(), dim=-1)
+        return [(t, logprobs[j, t].item()) for j, t in enumerate(emitted)]
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     def _append(self, seq: Sequence, token: int, logprob: float) -> None:
         seq.token_ids.append(token)
@@ -173,7 +240,7 @@ class LLMEngine:
         if not self.block_manager.allocate_slots(seq, len(token_ids)):
             raise QueueFullError("no free KV blocks to score this sequence; retry later")
         try:
-            logits = self.runner.run([(seq, len(token_ids))], all_logits=True)
+            logits = self.runner.run([(seq, len(token_ids))], num_logits=[len(token_ids)])
         finally:
             self.block_manager.free_sequence(seq)
         targets = torch.tensor(token_ids[1:], device=logits.device)[:, None]

@@ -85,18 +85,21 @@ class ModelRunner:
             loaded += 1
         return loaded
 
-    def prepare(self, batch: list[tuple[Sequence, int]], all_logits: bool = False):
-        """Flatten (sequence, number of new tokens) pairs into the model's step inputs."""
+    def prepare(self, batch: list[tuple[Sequence, int]], num_logits: list[int] | None = None):
+        """Flatten (sequence, number of new tokens) pairs into the model's step inputs.
+
+        ``num_logits[i]``: how many of sequence i's last new tokens need logits (default 1)."""
         input_ids, positions, slots, query_lens, context_lens, logits_indices = [], [], [], [], [], []
         bs = self.block_size
-        for seq, n in batch:
+        for i, (seq, n) in enumerate(batch):
             start = seq.num_computed_tokens
             input_ids += seq.token_ids[start : start + n]
             positions += range(start, start + n)
             slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
             query_lens.append(n)
             context_lens.append(start + n)
-            logits_indices += range(len(input_ids) - n, len(input_ids)) if all_logits else [len(input_ids) - 1]
+            k = num_logits[i] if num_logits else 1
+            logits_indices += range(len(input_ids) - k, len(input_ids))
         max_blocks = max(len(seq.block_table) for seq, _ in batch)
         tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq, _ in batch]
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
@@ -110,9 +113,9 @@ class ModelRunner:
         return as_tensor(input_ids), as_tensor(positions), meta, as_tensor(logits_indices)
 
     @torch.inference_mode()
-    def run(self, batch: list[tuple[Sequence, int]], all_logits: bool = False) -> torch.Tensor:
-        """Logits [len(batch), V] at each sequence's last new token (every new token if ``all_logits``)."""
-        input_ids, positions, meta, logits_indices = self.prepare(batch, all_logits)
+    def run(self, batch: list[tuple[Sequence, int]], num_logits: list[int] | None = None) -> torch.Tensor:
+        """Logits [sum(num_logits), V] at each sequence's last ``num_logits[i]`` new tokens (default 1)."""
+        input_ids, positions, meta, logits_indices = self.prepare(batch, num_logits)
         kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         return self.model(input_ids, positions, kv_caches, meta, logits_indices)
 

@@ -31,6 +31,22 @@ class SamplingParams(Config):
         return self.temperature == 0.0
 
 
+def probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy request samples from: temperature, then top-k, then top-p."""
+    row = row.float() / p.temperature
+    if 0 < p.top_k < row.numel():
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+        probs = probs / probs.sum()
+    return probs
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits`` [B, V]; returns (token ids [B], their log-probs [B]).
 
@@ -41,17 +57,6 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     logprobs = torch.log_softmax(logits, dim=-1)
     tokens = logits.argmax(dim=-1)
     for i, (p, g) in enumerate(zip(params, generators)):
-        if p.greedy:
-            continue
-        row = logits[i] / p.temperature
-        if p.top_k > 0 and p.top_k < row.numel():
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-            drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
-            probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-        tokens[i] = torch.multinomial(probs, 1, generator=g)[0]
+        if not p.greedy:
+            tokens[i] = torch.multinomial(probs(logits[i], p), 1, generator=g)[0]
     return tokens, logprobs.gather(1, tokens[:, None])[:, 0]

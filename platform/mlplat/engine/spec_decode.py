@@ -1,0 +1,105 @@
+"""Speculative decoding: cheap drafts, verified by the target model in one step.
+
+A drafter proposes up to k tokens per decoding sequence; the target runs the last
+token plus the drafts as one chunk and yields k + 1 next-token distributions. Greedy
+requests keep drafts while they equal the target's argmax, then take the target's
+token: output identical to plain greedy. Sampled requests use rejection sampling
+(Leviathan et al., 2023) with deterministic drafts (q one-hot at the draft token):
+accept d with probability p(d), else sample from p with d removed; the output
+distribution is exactly the target's. Either way every step emits at least one token.
+"""
+
+from __future__ import annotations
+
+import torch
+from mlplat.engine.block_manager import BlockManager
+from mlplat.engine.sampling import SamplingParams, probs
+from mlplat.engine.sequence import Sequence
+
+
+def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, generator: torch.Generator | None) -> list[int]:
+    """Tokens to emit given target ``logits`` [len(drafts) + 1, V] at the last token and each draft."""
+    if params.greedy:
+        target = logits.argmax(dim=-1).tolist()
+        out = []
+        for j, d in enumerate(drafts):
+            if target[j] != d:
+                return out + [target[j]]
+            out.append(d)
+        return out + [target[len(drafts)]]
+    out = []
+    for j, d in enumerate(drafts):
+        p = probs(logits[j], params)
+        if torch.rand((), generator=generator, device=p.device) < p[d]:
+            out.append(d)
+            continue
+        residual = p.clone()
+        residual[d] = 0.0
+        return out + [int(torch.multinomial(residual / residual.sum(), 1, generator=generator))]
+    return out + [int(torch.multinomial(probs(logits[len(drafts)], params), 1, generator=generator))]
+
+
+class NgramDrafter:
+    """Prompt lookup: find the sequence's last n tokens earlier in it and propose what followed."""
+
+    def __init__(self, cfg: SpeculativeConfig):
+        self.cfg = cfg
+
+    def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[list[int]]:
+        return [self._one(seq.token_ids, k) for seq, k in zip(seqs, budgets)]
+
+    def _one(self, tokens: list[int], k: int) -> list[int]:
+        for n in range(self.cfg.ngram_max, self.cfg.ngram_min - 1, -1):
+            if len(tokens) <= n or k <= 0:
+                continue
+            tail = tokens[-n:]
+            for start in range(len(tokens) - n - 1, -1, -1):  # the most recent earlier match
+                if tokens[start : start + n] == tail:
+                    return tokens[start + n : start + n + k]
+        return []
+
+    def retain(self, live_seq_ids: set[int]) -> None:
+        pass
+
+
+class DraftModelDrafter:
+    """A smaller model with the same tokenizer, drafting greedily over its own paged KV cache.
+
+    It mirrors each target sequence; after the target accepts or rejects, the mirror
+    keeps the KV of the common prefix and recomputes only what changed."""
+
+    def __init__(self, runner, block_size: int):
+        self.runner = runner
+        self.blocks = BlockManager(runner.num_blocks, block_size, enable_prefix_caching=False)
+        self.mirrors: dict[int, Sequence] = {}
+
+    def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[list[int]]:
+        active = []
+        for seq, k in zip(seqs, budgets):
+            mirror = self.mirrors.get(seq.seq_id)
+            if mirror is None:
+                mirror = self.mirrors[seq.seq_id] = Sequence(seq.request_id, seq.token_ids, seq.params)
+            common = next((i for i, (a, b) in enumerate(zip(mirror.token_ids, seq.token_ids)) if a != b), min(len(mirror), len(seq)))
+            mirror.token_ids = list(seq.token_ids)
+            mirror.num_computed_tokens = min(mirror.num_computed_tokens, common, len(seq) - 1)
+            active.append((mirror, k))
+        drafts: list[list[int]] = [[] for _ in seqs]
+        for step in range(max(budgets, default=0)):
+            batch = []
+            for i, (mirror, k) in enumerate(active):
+                n = len(mirror) - mirror.num_computed_tokens
+                if step < k and self.blocks.allocate_slots(mirror, n):
+                    batch.append((i, mirror, n))
+            if not batch:
+                break
+            tokens = self.runner.run([(m, n) for _, m, n in batch]).argmax(dim=-1).tolist()
+            for (i, mirror, n), token in zip(batch, tokens):
+                mirror.num_computed_tokens += n
+                mirror.token_ids.append(token)
+                drafts[i].append(token)
+        return drafts
+
+    def retain(self, live_seq_ids: set[int]) -> None:
+        """Free the mirrors of sequences that finished or were aborted."""
+        for seq_id in [s for s in self.mirrors if s not in live_seq_ids]:
+            self.blocks.free_sequence(self.mirrors.pop(seq_id))
