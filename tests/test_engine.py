@@ -128,6 +128,11 @@ def test_prefix_cache_hits_give_identical_outputs(llama):
     assert engine.block_manager.hit_tokens - hits_before >= 2 * (len(shared) // 4 - 1) * 4
     assert 0 < engine.block_manager.hit_rate <= 1
     uncached = run_checked(engine_for(llama, enable_prefix_caching=False), prompt_ids=batch)
+    # A prefill-only request (the PD prefill side) leaves its prompt in the cache too.
+    hits_before = engine.block_manager.hit_tokens
+    engine.prefill(shared + [11, 12], GREEDY)
+    engine.prefill(shared + [13, 14], GREEDY)
+    assert engine.block_manager.hit_tokens - hits_before >= 2 * (len(shared) // 4) * 4
     assert [o.outputs[0].token_ids for o in first + rest] == [o.outputs[0].token_ids for o in uncached]
 
 

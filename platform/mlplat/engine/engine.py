@@ -129,8 +129,8 @@ class LLMEngine:
             if d:
                 del seq.token_ids[len(seq) - len(d) :]  # drafts join the sequence only once verified
                 sampled[i] = self._verified(seq, rows[i], d)
+            self.block_manager.cache_full_blocks(seq)  # before a finish frees the blocks
             if seq.num_computed_tokens < len(seq):
-                self.block_manager.cache_full_blocks(seq)
                 continue  # a prefill chunk: nothing to sample yet
             for j, (token, logprob) in enumerate(sampled[i]):
                 if j > 0:
@@ -138,8 +138,8 @@ class LLMEngine:
                 self._append(seq, token, logprob)
                 if seq.is_finished:
                     break
-            if not seq.is_finished:
-                self.block_manager.cache_full_blocks(seq)
+            if len(sampled[i]) > 1 and not seq.is_finished:
+                self.block_manager.cache_full_blocks(seq)  # blocks completed by accepted drafts
             if seq.is_finished and all(s.is_finished for s in self.requests[seq.request_id]):
                 finished_requests.add(seq.request_id)
         return [self._pop_output(r) for r in [*early, *finished_requests]]

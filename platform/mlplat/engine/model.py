@@ -82,8 +82,9 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) 
     if meta.decode_only:
         # One query per sequence: gather every sequence's blocks and attend in one batched call.
         B, max_blocks = meta.block_tables.shape
-        k = k_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)  # [B, KV, L, D]
-        v = v_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)
+        flat = meta.block_tables.flatten()  # index_select copies ~2x faster than advanced indexing on CPU
+        k = k_cache.index_select(0, flat).view(B, -1, *k_cache.shape[2:]).transpose(1, 2)  # [B, KV, L, D]
+        v = v_cache.index_select(0, flat).view(B, -1, *v_cache.shape[2:]).transpose(1, 2)
         valid = torch.arange(k.shape[2], device=q.device)[None, :] < meta.context_lens[:, None]
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
@@ -93,8 +94,8 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) 
     for i, n in enumerate(meta.query_lens):
         ctx = int(meta.context_lens[i])
         blocks = meta.block_tables[i, : (ctx + meta.block_size - 1) // meta.block_size]
-        k = k_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1)  # [KV, ctx, D]
-        v = v_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1)
+        k = k_cache.index_select(0, blocks).flatten(0, 1)[:ctx].transpose(0, 1)  # [KV, ctx, D]
+        v = v_cache.index_select(0, blocks).flatten(0, 1)[:ctx].transpose(0, 1)
         qi = q[start : start + n].transpose(0, 1)  # [H, n, D]
         if ctx == n:
             out = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=True)
