@@ -219,6 +219,13 @@ def test_kv_export_import_gives_identical_continuation(llama):
         done.update({o.request_id: o for o in decode.step()})
         decode.block_manager.check_invariants(decode.live_sequences())
     assert [done[i].outputs[0].token_ids for i in ids] == reference
+    # Seeded sampling continues the same random stream across the handoff.
+    sampled = SamplingParams(temperature=1.0, seed=4, max_tokens=10, ignore_eos=True)
+    alone = run_checked(engine_for(llama), sampled, [batch[0]])[0].outputs[0].token_ids
+    handed = decode.add_prefilled(prefill.prefill(batch[0], sampled), sampled)
+    while decode.has_unfinished:
+        done.update({o.request_id: o for o in decode.step()})
+    assert done[handed].outputs[0].token_ids == alone
     payload.layout = {**payload.layout, "dtype": "torch.bfloat16"}
     with pytest.raises(ValueError, match="dtype"):
         decode.add_prefilled(payload, GREEDY)

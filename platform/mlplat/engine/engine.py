@@ -9,6 +9,7 @@ append, finish. Serving and RL rollouts drive it; ``generate`` is the offline he
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import count
@@ -259,7 +260,8 @@ class LLMEngine:
             self.step()
         self.requests.pop(request_id, None)
         n = seq.num_prompt_tokens
-        return KVPayload(seq.token_ids[:n], seq.token_ids[n], seq.output_logprobs[0], seq.exported_kv, self.runner.kv_layout)
+        rng_state = seq.generator.get_state() if seq.generator is not None else None
+        return KVPayload(seq.token_ids[:n], seq.token_ids[n], seq.output_logprobs[0], seq.exported_kv, self.runner.kv_layout, time.time(), rng_state)
 
     def add_prefilled(self, payload: KVPayload, params: SamplingParams = SamplingParams(), request_id: str | None = None) -> str:
         """Admit a request whose prompt KV and first token were computed elsewhere (the decode side).
@@ -274,6 +276,8 @@ class LLMEngine:
         seq = Sequence(request_id, payload.prompt_token_ids, params)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+            if payload.rng_state is not None:  # continue the prefill side's random stream
+                seq.generator.set_state(payload.rng_state)
         if not self.block_manager.allocate_slots(seq, len(payload.prompt_token_ids)):
             raise QueueFullError("no free KV blocks for the imported prompt; retry later")
         self.runner.write_kv(seq.block_table, payload.kv)

@@ -19,6 +19,8 @@ class KVPayload:
     first_logprob: float
     kv: torch.Tensor  # [layers, 2, len(prompt_token_ids), kv_heads, head_dim]
     layout: dict  # num_layers, num_kv_heads, head_dim, dtype of the producing engine
+    created_at: float = 0.0  # time.time() when prefill finished, to measure the handoff
+    rng_state: torch.Tensor | None = None  # a seeded request's generator after the first draw
 
     @property
     def nbytes(self) -> int:

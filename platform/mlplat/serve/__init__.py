@@ -1,0 +1,1 @@
+"""Serving building blocks: an asyncio front for the engine, OpenAI schemas, routing, servers."""

@@ -1,0 +1,257 @@
+"""The OpenAI-compatible ingress: validation, auth, chat templates, detokenization, SSE.
+
+Requests are tokenized here; token ids go to the engine deployments and token ids come
+back, detokenized incrementally per choice. In PD mode the ingress asks a prefill replica
+for a KV payload and hands the *response reference* to a decode replica, so the KV moves
+through the object store between them and never through this process.
+"""
+
+
+import asyncio
+import hashlib
+import hmac
+import json
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+
+from mlplat.engine.scheduler import QueueFullError
+from mlplat.models.checkpoint import load_tokenizer
+from mlplat.serve.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body, new_id, now
+
+app = FastAPI(title="mlplat OpenAI-compatible API")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, headers: dict | None = None):
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+
+@app.exception_handler(APIError)
+async def _api_error(_: Request, err: APIError):
+    type_ = "invalid_request_error" if err.status < 500 else "server_error"
+    return JSONResponse(error_body(err.message, err.param, err.code, type_), status_code=err.status, headers=err.headers)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, err: RequestValidationError):
+    first = err.errors()[0]
+    loc = [str(p) for p in first["loc"] if p != "body"]
+    param = ".".join(loc) or None
+    message = "request body is not valid JSON" if first["type"] == "json_invalid" else f"{param}: {first['msg']}"
+    return JSONResponse(error_body(message, param), status_code=400)
+
+
+def sse_event(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _cause(err: BaseException) -> BaseException:
+    return getattr(err, "cause", None) or err
+
+
+class Detokenizer:
+    """Incremental text for one choice: holds back what a stop string or a partial
+    UTF-8 character could still change."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer, self.ids, self.sent = tokenizer, [], ""
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+
+    def push(self, token_ids: list[int]) -> str:
+        self.ids += token_ids
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        ready = text[: len(text) - self.holdback] if self.holdback else text
+        ready = ready.rstrip("\ufffd")
+        new = ready[len(self.sent) :] if ready.startswith(self.sent) else ""
+        self.sent += new
+        return new
+
+    def finish(self, final_text: str) -> str:
+        new = final_text[len(self.sent) :] if final_text.startswith(self.sent) else ""
+        self.sent += new
+        return new
+
+
+@serve.deployment(max_ongoing_requests=1024)
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, model_dir: str, model_name: str, mode: str, default_max_tokens: int, max_model_len: int,
+                 api_key_hashes: list[str], llm=None, prefill=None, decode=None):
+        self.tokenizer = load_tokenizer(model_dir)
+        self.model_name, self.mode = model_name, mode
+        self.default_max_tokens, self.max_model_len = default_max_tokens, max_model_len
+        self.api_key_hashes = api_key_hashes
+        self.llm, self.prefill, self.decode = llm, prefill, decode
+
+    # -- routes -------------------------------------------------------------------------------
+    @app.get("/v1/models")
+    async def models(self, request: Request):
+        self._authorize(request)
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": now(), "owned_by": "mlplat"}]}
+
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionRequest, request: Request):
+        self._authorize(request)
+        self._check_model(body.model)
+        prompt_ids = body.prompt if isinstance(body.prompt, list) else self.tokenizer.encode(body.prompt, add_special_tokens=False)
+        return await self._respond(body, prompt_ids, chat=False, logprobs=body.logprobs is not None)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        self._authorize(request)
+        self._check_model(body.model)
+        messages = [m.model_dump() for m in body.messages]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return await self._respond(body, prompt_ids, chat=True, logprobs=body.logprobs)
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _authorize(self, request: Request) -> None:
+        if not self.api_key_hashes:
+            return
+        header = request.headers.get("authorization", "")
+        key = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
+        if not key or not any(hmac.compare_digest(hash_key(key), h) for h in self.api_key_hashes):
+            raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)", code="invalid_api_key")
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(400, f"model {model!r} is not served here; available: [{self.model_name!r}]", "model", "model_not_found")
+
+    async def _respond(self, body, prompt_ids: list[int], chat: bool, logprobs: bool):
+        params = body.sampling_params(self.default_max_tokens, logprobs)
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            param = "max_tokens" if len(prompt_ids) < self.max_model_len else ("messages" if chat else "prompt")
+            raise APIError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                                f"model's context of {self.max_model_len} tokens", param, "context_length_exceeded")
+        request_id = new_id("chatcmpl" if chat else "cmpl")
+        deltas = self._generate(prompt_ids, params, request_id)
+        try:
+            first = await anext(deltas)  # errors (overload, bad request) surface before any byte is sent
+        except Exception as err:  # noqa: BLE001
+            raise self._as_api_error(err) from None
+        if body.stream:
+            return StreamingResponse(self._sse(first, deltas, body, params, request_id, chat), media_type="text/event-stream")
+        return await self._collect(first, deltas, body, params, prompt_ids, request_id, chat)
+
+    def _as_api_error(self, err: BaseException) -> APIError:
+        cause = _cause(err)
+        if isinstance(cause, QueueFullError) or isinstance(err, QueueFullError):
+            return APIError(429, f"server overloaded: {cause}", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+        if isinstance(cause, ValueError):
+            return APIError(400, str(cause))
+        if isinstance(err, APIError):
+            return err
+        return APIError(500, f"internal error: {type(cause).__name__}")
+
+    async def _generate(self, prompt_ids: list[int], params, request_id: str) -> AsyncIterator[dict]:
+        if params.n == 1 or self.mode == "colocated":
+            async for d in self._one(prompt_ids, params, request_id):
+                yield d
+            return
+        # PD with n > 1: n independent prefill->decode pipelines (the prefill replica's prefix
+        # cache makes the repeats cheap), merged into one stream with choice indices.
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int):
+            seed = None if params.seed is None else params.seed + i
+            try:
+                async for d in self._one(prompt_ids, params.model_copy(update={"n": 1, "seed": seed}), f"{request_id}-{i}"):
+                    await queue.put({**d, "index": i})
+            except Exception as err:  # noqa: BLE001
+                await queue.put(err)
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(params.n)]
+        try:
+            done = 0
+            while done < params.n:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                done += item["finish_reason"] is not None
+                yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _one(self, prompt_ids: list[int], params, request_id: str) -> AsyncIterator[dict]:
+        p = params.model_dump()
+        if self.mode == "colocated":
+            stream = self.llm.options(stream=True).generate.remote(prompt_ids, p, request_id)
+        else:
+            payload = self.prefill.prefill.remote(prompt_ids, p)  # a reference: not awaited here
+            stream = self.decode.options(stream=True).generate_prefilled.remote(payload, p, request_id)
+        async for d in stream:
+            yield d
+
+    async def _sse(self, first, deltas, body, params, request_id: str, chat: bool):
+        detok = {i: Detokenizer(self.tokenizer, params.stop) for i in range(params.n)}
+        base = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": now(), "model": self.model_name}
+        if chat:
+            for i in range(params.n):
+                yield sse_event({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+        try:
+            d = first
+            while True:
+                text = detok[d["index"]].push(d["token_ids"]) if d["finish_reason"] is None else detok[d["index"]].finish(d["text"])
+                if text or d["finish_reason"]:
+                    choice = {"index": d["index"], "finish_reason": d["finish_reason"]}
+                    choice.update({"delta": {"content": text} if text else {}} if chat else {"text": text, "logprobs": None})
+                    yield sse_event({**base, "choices": [choice]})
+                d = await anext(deltas, None)
+                if d is None:
+                    break
+        except Exception as err:  # noqa: BLE001  (mid-stream: report in-band, then end the stream)
+            e = self._as_api_error(err)
+            yield sse_event(error_body(e.message, e.param, e.code))
+        yield "data: [DONE]\n\n"
+
+    async def _collect(self, first, deltas, body, params, prompt_ids, request_id: str, chat: bool):
+        tokens = {i: [] for i in range(params.n)}
+        logprobs = {i: [] for i in range(params.n)}
+        final = {}
+        d = first
+        try:
+            while d is not None:
+                tokens[d["index"]] += d["token_ids"]
+                logprobs[d["index"]] += d["logprobs"]
+                if d["finish_reason"] is not None:
+                    final[d["index"]] = d
+                d = await anext(deltas, None)
+        except Exception as err:  # noqa: BLE001
+            raise self._as_api_error(err) from None
+        choices = []
+        for i in range(params.n):
+            text, reason = final[i]["text"], final[i]["finish_reason"]
+            lp = self._logprobs(tokens[i], logprobs[i], chat) if params.logprobs else None
+            if chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": reason})
+            else:
+                choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason})
+        completion_tokens = sum(len(t) for t in tokens.values())
+        return {
+            "id": request_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": now(),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens, "total_tokens": len(prompt_ids) + completion_tokens},
+        }
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[float], chat: bool) -> dict:
+        pieces = [self.tokenizer.decode([t]) for t in token_ids]
+        if chat:
+            return {"content": [{"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []} for p, lp in zip(pieces, logprobs)]}
+        offsets, pos = [], 0
+        for p in pieces:
+            offsets.append(pos)
+            pos += len(p)
+        return {"tokens": pieces, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets}

@@ -1,0 +1,53 @@
+"""The engine as a Serve deployment, in three roles from one class: colocated (prefill and
+decode), prefill-only (returns KV payloads) and decode-only (imports them)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+
+from ray import serve
+
+from mlplat.engine import EngineConfig, SamplingParams
+from mlplat.engine.kv_transfer import KVPayload
+from mlplat.serve.async_engine import AsyncEngine
+
+
+@serve.deployment(max_ongoing_requests=512)
+class EngineServer:
+    def __init__(self, engine_config: dict):
+        self.engine = AsyncEngine(EngineConfig(**engine_config))
+        self.handoffs = {"count": 0, "bytes": 0, "latency_s": 0.0, "import_failures": 0}
+
+    async def generate(self, prompt_ids: list[int], params: dict, request_id: str) -> AsyncIterator[dict]:
+        async for delta in self.engine.generate(prompt_ids, SamplingParams(**params), request_id):
+            yield asdict(delta)
+
+    async def prefill(self, prompt_ids: list[int], params: dict) -> KVPayload:
+        return await self.engine.prefill(prompt_ids, SamplingParams(**params))
+
+    async def generate_prefilled(self, payload: KVPayload, params: dict, request_id: str) -> AsyncIterator[dict]:
+        """Decode from a prefill server's payload (resolved from the object store in this
+        replica, never through the ingress); recompute the prefill here if import fails."""
+        sampling = SamplingParams(**params)
+        self.handoffs["count"] += 1
+        self.handoffs["bytes"] += payload.nbytes
+        self.handoffs["latency_s"] += max(0.0, time.time() - payload.created_at)
+        try:
+            stream = self.engine.generate_prefilled(payload, sampling, request_id)
+            first = await anext(stream)
+        except ValueError:  # an incompatible payload (shape, dtype); overload (QueueFullError) propagates as 429
+            self.handoffs["import_failures"] += 1
+            stream = self.engine.generate(payload.prompt_token_ids, sampling, request_id)
+            first = await anext(stream)
+        yield asdict(first)
+        async for delta in stream:
+            yield asdict(delta)
+
+    async def stats(self) -> dict:
+        return {**await self.engine.stats(), "handoffs": dict(self.handoffs)}
+
+    async def record_routing_stats(self) -> dict:
+        """Polled by Serve for routers: decode replicas are chosen by free KV blocks."""
+        return await self.engine.stats()

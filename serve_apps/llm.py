@@ -1,0 +1,75 @@
+"""The LLM serving app: OpenAI ingress -> prefill -> KV handoff -> decode (or colocated).
+
+    serve run serve_apps.llm:app_builder model=models:/quickstart-tiny@quickstart mode=pd
+    mlplat serve --set model=... --set mode=colocated
+
+``build_app(ServeConfig)`` returns the Serve application; ``app_builder(args)`` is the
+import path for `serve run` and Serve config YAMLs (``args`` holds ServeConfig fields).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ray import serve
+from ray.serve import Application
+
+from mlplat.config import validate
+from mlplat.engine import EngineConfig
+from mlplat.errors import ConfigError
+from mlplat.serve.config import ReplicaConfig, ServeConfig
+from mlplat.serve.ingress import OpenAIIngress, hash_key
+from mlplat.serve.servers import EngineServer
+from mlplat.tracking import parse_model_uri, resolve_model
+
+
+def _served_name(cfg: ServeConfig, model_dir: Path) -> str:
+    if cfg.model_name:
+        return cfg.model_name
+    return parse_model_uri(cfg.model).name if cfg.model.startswith("models:/") else model_dir.name
+
+
+def _options(replicas: ReplicaConfig, name: str) -> dict:
+    return {"name": name, "num_replicas": replicas.num_replicas,
+            "ray_actor_options": {"num_cpus": replicas.num_cpus, "num_gpus": replicas.num_gpus}}
+
+
+def build_app(cfg: ServeConfig) -> Application:
+    model_dir = resolve_model(cfg.model)
+    engine_cfg = validate(EngineConfig, {**cfg.engine_args, "model": str(model_dir)}, "engine_args")
+    from transformers import AutoConfig
+
+    max_model_len = engine_cfg.max_model_len or AutoConfig.from_pretrained(model_dir, local_files_only=True).max_position_embeddings
+    keys = [k.strip() for k in os.environ.get(cfg.api_keys_env, "").split(",") if k.strip()]
+    common = dict(
+        model_dir=str(model_dir),
+        model_name=_served_name(cfg, model_dir),
+        mode=cfg.mode,
+        default_max_tokens=cfg.default_max_tokens,
+        max_model_len=max_model_len,
+        api_key_hashes=[hash_key(k) for k in keys],  # only hashes travel in deployment args
+    )
+    engine_args = engine_cfg.model_dump(mode="json")
+    ingress = OpenAIIngress.options(**_options(cfg.ingress, "ingress"))
+    if cfg.mode == "colocated":
+        llm = EngineServer.options(**_options(cfg.colocated, "llm")).bind(engine_args)
+        return ingress.bind(**common, llm=llm)
+    prefill = EngineServer.options(**_options(cfg.prefill, "prefill")).bind(engine_args)
+    decode = EngineServer.options(**_options(cfg.decode, "decode")).bind(engine_args)
+    return ingress.bind(**common, prefill=prefill, decode=decode)
+
+
+def app_builder(args: dict) -> Application:
+    """Entry point for `serve run serve_apps.llm:app_builder key=value ...`."""
+    return build_app(validate(ServeConfig, dict(args), "serve args"))
+
+
+def run(cfg: ServeConfig, blocking: bool = False) -> str:
+    """Deploy on the connected Ray cluster; returns the base URL of the OpenAI API."""
+    try:
+        app = build_app(cfg)
+    except ConfigError:
+        raise
+    serve.run(app, name=cfg.app_name, route_prefix=cfg.route_prefix, blocking=blocking)
+    return f"http://127.0.0.1:8000{cfg.route_prefix.rstrip('/')}/v1"
