@@ -30,7 +30,7 @@ def test_installed_packages_import_from_anywhere(tmp_path):
 def test_cli_help_lists_subcommands():
     out = subprocess.run([MLPLAT, "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
-    for command in ("quickstart", "data", "model", "train", "eval"):
+    for command in ("quickstart", "data", "model", "train", "serve", "eval"):
         assert command in out.stdout
 
 

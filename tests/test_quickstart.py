@@ -13,5 +13,8 @@ def test_quickstart_raises_held_out_accuracy(ray_cluster, tracking_uri, tmp_path
     assert result.accuracy_before < 0.05
     assert result.accuracy_after >= result.accuracy_before + 0.3, result
     assert result.final_loss < result.first_loss
+    # The registered version, served PD-disaggregated, answers as offline generation did.
+    assert len(result.served_answers) == 3
+    assert [a["answer"] for a in result.served_answers] == [s["completion"] for s in result.eval_samples[:3]]
     out = capsys.readouterr().out
     assert result.run_id in out and "mlflow ui --backend-store-uri" in out and "after" in out

@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--address", help="Ray cluster address (default: start a local one)")
 
+    p = sub.add_parser("serve", help="serve a model over the OpenAI API on Ray Serve (PD-disaggregated or colocated)")
+    _add_config_args(p)
+    p.add_argument("--address", help="Ray cluster address (default: start a local one)")
+
     p = sub.add_parser("eval", help="exact-match accuracy of a model on held-out prompts")
     p.add_argument("--model", required=True, help="HF checkpoint directory or models:/NAME/VERSION|@ALIAS")
     p.add_argument("--data", required=True, help="eval JSONL with 'messages' and 'answer'")
@@ -80,6 +84,23 @@ def _run(args: argparse.Namespace) -> None:
         init_ray(args.address, cfg.num_workers)
         result = run_sft(cfg)
         print(result.model_dump_json(indent=2))
+    elif args.command == "serve":
+        import time
+
+        from mlplat.runtime import init_ray
+        from mlplat.serve.config import ServeConfig
+        from serve_apps.llm import run as run_app
+
+        cfg = load_config(ServeConfig, args.config, args.overrides)
+        init_ray(args.address, num_training_workers=0)
+        print(f"OpenAI API at {run_app(cfg)} (Ctrl-C to stop)", flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            from ray import serve
+
+            serve.delete(cfg.app_name)
     elif args.command == "eval":
         from mlplat.evaluation import evaluate_exact_match
         from mlplat.tracking import resolve_model
