@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 from mlplat.engine.block_manager import BlockManager
+from mlplat.engine.config import SpeculativeConfig
 from mlplat.engine.sampling import SamplingParams, probs
 from mlplat.engine.sequence import Sequence
 
