@@ -14,12 +14,14 @@ from pathlib import Path
 
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from mlplat.config import validate
 from mlplat.engine import EngineConfig
 from mlplat.errors import ConfigError
 from mlplat.serve.config import ReplicaConfig, ServeConfig
 from mlplat.serve.ingress import OpenAIIngress, hash_key
+from mlplat.serve.routing import FreeKVRouter, PrefixAwareRouter
 from mlplat.serve.servers import EngineServer
 from mlplat.tracking import parse_model_uri, resolve_model
 
@@ -55,8 +57,16 @@ def build_app(cfg: ServeConfig) -> Application:
     if cfg.mode == "colocated":
         llm = EngineServer.options(**_options(cfg.colocated, "llm")).bind(engine_args)
         return ingress.bind(**common, llm=llm)
-    prefill = EngineServer.options(**_options(cfg.prefill, "prefill")).bind(engine_args)
-    decode = EngineServer.options(**_options(cfg.decode, "decode")).bind(engine_args)
+    prefill = EngineServer.options(
+        **_options(cfg.prefill, "prefill"),
+        request_router_config=RequestRouterConfig(
+            request_router_class=PrefixAwareRouter, request_router_kwargs={"block_size": engine_cfg.block_size}
+        ),
+    ).bind(engine_args)
+    decode = EngineServer.options(
+        **_options(cfg.decode, "decode"),
+        request_router_config=RequestRouterConfig(request_router_class=FreeKVRouter, request_routing_stats_period_s=1.0),
+    ).bind(engine_args)
     return ingress.bind(**common, prefill=prefill, decode=decode)
 
 
