@@ -164,7 +164,12 @@ def run_sft(cfg: SFTConfig, tracking_uri: str | None = None, work_dir: str | Pat
     logger = RunLogger(run_id, tracking_uri)
     try:
         dataset, report = prepare_sft_dataset(cfg.data, str(model_dir), rejects_dir=Path(work_dir) / run_id)
-        logger.log_metrics({"data.bad_rows": report.bad_rows})
+        logger.log_metrics({
+            "data.bad_rows": report.bad_rows,
+            "data.rows_read": report.rows_read,
+            "data.rows_used": report.rows_used,
+            **{f"data.source{i}.rows_used": s.rows_used for i, s in enumerate(report.sources)},
+        })
         trainer = TorchTrainer(
             train_loop_per_worker,
             train_loop_config={"sft": cfg.model_dump(mode="json"), "run_id": run_id, "tracking_uri": tracking_uri, "model_dir": str(model_dir)},

@@ -1,66 +1,52 @@
-"""Chat SFT ingestion with Ray Data: read JSONL -> validate -> chat template -> tokenize.
+"""Chat SFT ingestion with Ray Data: read sources -> validate -> mix -> chat template -> tokenize.
 
-Bad rows are skipped and counted, never silently: each is written with its file and
-reason to a rejects file, and the run summary reports the count. With
-``on_bad_row="fail"`` the first bad row stops the job instead, naming file and reason.
-Validation is one streaming pass that keeps only the (rare) bad rows; tokenization
-is a second, lazy pass that the trainer drives through ``get_dataset_shard``.
+Validation, rejects and mixing are ``mlplat.data.ingest`` (shared by every task): one
+streaming pass that keeps only the (rare) bad rows and per-source counts, then the
+lazy good rows. Tokenization is a second, lazy pass that the trainer drives through
+``get_dataset_shard``; labels only on assistant tokens, marked by the chat template's
+``{% generation %}`` blocks (the checkpoint's template, or ``chat_template`` instead).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import ray
 import ray.data
 import torch
-from pydantic import BaseModel
 from ray.data.collate_fn import NumpyBatchCollateFn
-from ray.data.expressions import col
 
-from mlplat.config import Config
-from mlplat.data.chat import chat_row_error, check_chat_template, tokenize_chat
+from mlplat.data.chat import load_chat_tokenizer, resolve_chat_template, tokenize_chat
+from mlplat.data.ingest import DataConfig, DataReport, SourceReport, prepare_rows
 from mlplat.data.packing import pack_dataset
-from mlplat.errors import DataError
 from mlplat.train.batch import pad_collate
 
+__all__ = ["ChatTokenizer", "DataReport", "PadCollate", "SFTDataConfig", "SourceReport", "prepare_sft_dataset"]
 
-class SFTDataConfig(Config):
-    path: str  # a JSONL file, a directory of them, or a glob; local or any pyarrow filesystem URI
+
+class SFTDataConfig(DataConfig):
+    # path / sources: JSONL or Parquet files, directories or globs; local or any pyarrow filesystem URI
     max_seq_len: int = 128
-    on_bad_row: Literal["skip", "fail"] = "skip"
     tokenize_concurrency: int = 1
     pack: bool = False  # pack examples into max_seq_len rows (no cross-document attention or loss)
     pack_window_rows: int = 1024  # examples packed together (first-fit-decreasing) per window
-
-
-class DataReport(BaseModel):
-    bad_rows: int
-    rejects_path: str | None
-    first_error: str | None
-
-
-def validate_chat_batch(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    batch["error"] = np.array([chat_row_error(line) for line in batch["text"]], dtype=object)
-    return batch
+    chat_template: str | None = None  # Jinja string or .jinja file used instead of the checkpoint's
 
 
 class ChatTokenizer:
-    """Ray Data map_batches UDF: loads the tokenizer once per actor."""
+    """Ray Data map_batches UDF: loads the tokenizer (and template override) once per actor."""
 
-    def __init__(self, tokenizer_path: str, max_seq_len: int):
-        from mlplat.models import load_tokenizer
-
-        self.tokenizer = load_tokenizer(tokenizer_path)
+    def __init__(self, tokenizer_path: str, max_seq_len: int, chat_template: str | None = None):
+        self.tokenizer = load_chat_tokenizer(tokenizer_path, chat_template)
         self.max_seq_len = max_seq_len
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         input_ids, labels = [], []
         for line in batch["text"]:
-            ids, lab = tokenize_chat(self.tokenizer, json.loads(line)["messages"], self.max_seq_len)
+            row = json.loads(line)
+            ids, lab = tokenize_chat(self.tokenizer, row["messages"], self.max_seq_len, tools=row.get("tools"))
             input_ids.append(np.asarray(ids, dtype=np.int64))
             labels.append(np.asarray(lab, dtype=np.int64))
         return {"input_ids": input_ids, "labels": labels}
@@ -76,40 +62,14 @@ class PadCollate(NumpyBatchCollateFn):
         return pad_collate(batch, self.pad_token_id)
 
 
-def read_jsonl_lines(path: str) -> ray.data.Dataset:
-    """Rows of ``{"text": line, "path": file}``; raises DataError if nothing is there."""
-    local = Path(path.removeprefix("file://"))
-    if "://" not in path or path.startswith("file://"):
-        if not any(ch in path for ch in "*?[") and not local.exists():
-            raise DataError(f"{path}: data path not found")
-    try:
-        return ray.data.read_text(path, include_paths=True, drop_empty_lines=True)
-    except (FileNotFoundError, ValueError) as err:
-        raise DataError(f"{path}: cannot read data ({err})") from None
-
-
 def prepare_sft_dataset(cfg: SFTDataConfig, tokenizer_path: str, rejects_dir: str | Path) -> tuple[ray.data.Dataset, DataReport]:
-    """Validate ``cfg.path`` (one pass, keeping only bad rows) and return the lazy tokenized dataset."""
-    from mlplat.models import load_tokenizer
-
-    tokenizer = load_tokenizer(tokenizer_path)
-    check_chat_template(tokenizer, tokenizer_path)
-    validated = read_jsonl_lines(cfg.path).map_batches(validate_chat_batch, batch_format="numpy")
-    bad = validated.filter(expr=col("error") != "").materialize()
-    bad_rows = bad.count()
-    report = DataReport(bad_rows=bad_rows, rejects_path=None, first_error=None)
-    if bad_rows:
-        first = bad.take(1)[0]
-        report.first_error = f"{first['path']}: {first['error']}: {first['text'][:120]!r}"
-        if cfg.on_bad_row == "fail":
-            raise DataError(f"{report.first_error} ({bad_rows} bad rows; set data.on_bad_row=skip to skip them)")
-        rejects = Path(rejects_dir) / "rejects"
-        bad.repartition(1).write_json(str(rejects))
-        report.rejects_path = str(rejects)
-    good = validated.filter(expr=col("error") == "")
-    tokenized = good.map_batches(
+    """Validate the sources of ``cfg`` (one pass, keeping only bad rows) and return the lazy tokenized dataset."""
+    template = resolve_chat_template(cfg.chat_template) if cfg.chat_template is not None else None
+    tokenizer = load_chat_tokenizer(tokenizer_path, template)  # a template that cannot mark assistant tokens fails here
+    rows, report = prepare_rows(cfg, "chat", rejects_dir)
+    tokenized = rows.map_batches(
         ChatTokenizer,
-        fn_constructor_kwargs={"tokenizer_path": tokenizer_path, "max_seq_len": cfg.max_seq_len},
+        fn_constructor_kwargs={"tokenizer_path": tokenizer_path, "max_seq_len": cfg.max_seq_len, "chat_template": template},
         batch_format="numpy",
         compute=ray.data.ActorPoolStrategy(size=cfg.tokenize_concurrency),
     )
