@@ -220,3 +220,14 @@ def prepare_rows(cfg: DataConfig, task: Task, rejects_dir: str | Path) -> tuple[
         stopping_condition=ray.data.MixStoppingCondition.STOP_ON_LONGEST_DROP,
     )
     return mixed, report
+
+
+def tokenize_rows(rows: ray.data.Dataset, tokenizer_udf: type, tokenizer_path: str, max_seq_len: int,
+                  chat_template: str | None, concurrency: int) -> ray.data.Dataset:
+    """Run a task's tokenizer UDF (its tokenizer loaded once per actor) over validated rows."""
+    return rows.map_batches(
+        tokenizer_udf,
+        fn_constructor_kwargs={"tokenizer_path": tokenizer_path, "max_seq_len": max_seq_len, "chat_template": chat_template},
+        batch_format="numpy",
+        compute=ray.data.ActorPoolStrategy(size=concurrency),
+    )

@@ -18,7 +18,7 @@ import ray
 import ray.data
 
 from mlplat.data.chat import assistant_mask, load_chat_tokenizer, resolve_chat_template
-from mlplat.data.ingest import DataConfig, DataReport, prepare_rows
+from mlplat.data.ingest import DataConfig, DataReport, prepare_rows, tokenize_rows
 from mlplat.data.schemas import as_messages
 from mlplat.errors import DataError
 from mlplat.train.batch import IGNORE_INDEX
@@ -104,10 +104,5 @@ def prepare_preference_dataset(
     template = resolve_chat_template(cfg.chat_template) if cfg.chat_template is not None else None
     load_chat_tokenizer(tokenizer_path, template)  # a template that cannot mark assistant tokens fails here
     rows, report = prepare_rows(cfg, "preference", rejects_dir)
-    tokenized = rows.map_batches(
-        PreferenceTokenizer,
-        fn_constructor_kwargs={"tokenizer_path": tokenizer_path, "max_seq_len": cfg.max_seq_len, "chat_template": template},
-        batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(size=cfg.tokenize_concurrency),
-    )
+    tokenized = tokenize_rows(rows, PreferenceTokenizer, tokenizer_path, cfg.max_seq_len, template, cfg.tokenize_concurrency)
     return tokenized, report

@@ -19,7 +19,13 @@ import torch
 from ray.data.collate_fn import NumpyBatchCollateFn
 
 from mlplat.data.chat import load_chat_tokenizer, resolve_chat_template, tokenize_chat
-from mlplat.data.ingest import DataConfig, DataReport, SourceReport, prepare_rows
+from mlplat.data.ingest import (
+    DataConfig,
+    DataReport,
+    SourceReport,
+    prepare_rows,
+    tokenize_rows,
+)
 from mlplat.data.packing import pack_dataset
 from mlplat.train.batch import pad_collate
 
@@ -67,12 +73,7 @@ def prepare_sft_dataset(cfg: SFTDataConfig, tokenizer_path: str, rejects_dir: st
     template = resolve_chat_template(cfg.chat_template) if cfg.chat_template is not None else None
     tokenizer = load_chat_tokenizer(tokenizer_path, template)  # a template that cannot mark assistant tokens fails here
     rows, report = prepare_rows(cfg, "chat", rejects_dir)
-    tokenized = rows.map_batches(
-        ChatTokenizer,
-        fn_constructor_kwargs={"tokenizer_path": tokenizer_path, "max_seq_len": cfg.max_seq_len, "chat_template": template},
-        batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(size=cfg.tokenize_concurrency),
-    )
+    tokenized = tokenize_rows(rows, ChatTokenizer, tokenizer_path, cfg.max_seq_len, template, cfg.tokenize_concurrency)
     if cfg.pack:
         tokenized = pack_dataset(tokenized, cfg.max_seq_len, tokenizer.pad_token_id, cfg.pack_window_rows)
     return tokenized, report
