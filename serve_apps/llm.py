@@ -18,7 +18,6 @@ from ray.serve.config import RequestRouterConfig
 
 from mlplat.config import validate
 from mlplat.engine import EngineConfig
-from mlplat.errors import ConfigError
 from mlplat.serve.config import ReplicaConfig, ServeConfig
 from mlplat.serve.ingress import OpenAIIngress, hash_key
 from mlplat.serve.routing import FreeKVRouter, PrefixAwareRouter
@@ -77,9 +76,6 @@ def app_builder(args: dict) -> Application:
 
 def run(cfg: ServeConfig, blocking: bool = False) -> str:
     """Deploy on the connected Ray cluster; returns the base URL of the OpenAI API."""
-    try:
-        app = build_app(cfg)
-    except ConfigError:
-        raise
+    app = build_app(cfg)
     serve.run(app, name=cfg.app_name, route_prefix=cfg.route_prefix, blocking=blocking)
     return f"http://127.0.0.1:8000{cfg.route_prefix.rstrip('/')}/v1"

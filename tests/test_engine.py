@@ -345,3 +345,14 @@ def test_speculative_sampling_is_seeded(llama):
     a = run_checked(spec_engine(llama, "ngram"), params, batch)[0].outputs[0].token_ids
     b = run_checked(spec_engine(llama, "ngram"), params, batch)[0].outputs[0].token_ids
     assert a == b and len(a) == 10
+
+
+def test_kv_cache_sized_by_memory(llama):
+    engine = LLMEngine(EngineConfig(model=str(llama), block_size=4, kv_cache_memory_gb=2**-15))  # 32 KiB
+    c = engine.runner.hf_config
+    block_bytes = c.num_hidden_layers * 2 * 4 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
+    assert engine.runner.num_blocks == 2**15 // block_bytes
+    capacity = engine.runner.num_blocks * 4
+    assert capacity < engine.runner.max_model_len  # so the cache, not the context, is the limit
+    with pytest.raises(ValueError, match="what the KV cache can hold"):
+        engine.add_request([5] * (capacity - 3), GREEDY)

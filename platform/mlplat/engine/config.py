@@ -22,7 +22,8 @@ class EngineConfig(Config):
     device: str = "cpu"  # "cuda" on a GPU; the same code runs on both
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     block_size: int = Field(16, ge=1)  # tokens per KV block
-    num_kv_blocks: int | None = Field(None, ge=1)  # None: fit max_num_seqs full-length sequences
+    num_kv_blocks: int | None = Field(None, ge=1)  # None: as many as kv_cache_memory_gb holds
+    kv_cache_memory_gb: float = Field(1.0, gt=0)
     max_num_seqs: int = Field(64, ge=1)  # sequences decoded together
     max_num_batched_tokens: int = Field(2048, ge=1)  # token budget per step (prefill chunks + decodes)
     max_waiting: int = Field(1024, ge=0)  # bounded queue: beyond it, add_request is refused

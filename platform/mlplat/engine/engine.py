@@ -87,10 +87,11 @@ class LLMEngine:
         token_ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
             raise ValueError("prompt is empty")
-        if len(token_ids) + params.max_tokens > self.runner.max_model_len:
+        limit = min(self.runner.max_model_len, self.runner.num_blocks * self.cfg.block_size)
+        if len(token_ids) + params.max_tokens > limit:
             raise ValueError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
-                f"context of {self.runner.max_model_len} tokens"
+                f"context of {limit} tokens (max_model_len, or what the KV cache can hold)"
             )
         seqs = [Sequence(request_id, token_ids, params, i) for i in range(params.n)]
         for seq in seqs:

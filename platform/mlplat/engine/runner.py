@@ -48,8 +48,9 @@ class ModelRunner:
 
         c = self.hf_config
         self.block_size = cfg.block_size
-        self.num_blocks = cfg.num_kv_blocks or cfg.max_num_seqs * ((self.max_model_len + cfg.block_size - 1) // cfg.block_size)
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        block_bytes = c.num_hidden_layers * 2 * cfg.block_size * c.num_key_value_heads * head_dim * self.dtype.itemsize
+        self.num_blocks = cfg.num_kv_blocks or max(1, int(cfg.kv_cache_memory_gb * 2**30) // block_bytes)
         # [layers, k/v, blocks, block_size, kv_heads, head_dim], allocated once.
         self.kv_cache = torch.zeros(
             c.num_hidden_layers, 2, self.num_blocks, cfg.block_size, c.num_key_value_heads, head_dim, dtype=self.dtype, device=self.device
