@@ -139,8 +139,8 @@ class OpenAIIngress:
         except Exception as err:  # noqa: BLE001
             raise self._as_api_error(err) from None
         if body.stream:
-            return StreamingResponse(self._sse(first, deltas, body, params, request_id, chat), media_type="text/event-stream")
-        return await self._collect(first, deltas, body, params, prompt_ids, request_id, chat)
+            return StreamingResponse(self._sse(first, deltas, params, request_id, chat), media_type="text/event-stream")
+        return await self._collect(first, deltas, params, prompt_ids, request_id, chat)
 
     def _as_api_error(self, err: BaseException) -> APIError:
         cause = _cause(err)
@@ -192,7 +192,7 @@ class OpenAIIngress:
         async for d in stream:
             yield d
 
-    async def _sse(self, first, deltas, body, params, request_id: str, chat: bool):
+    async def _sse(self, first, deltas, params, request_id: str, chat: bool):
         detok = {i: Detokenizer(self.tokenizer, params.stop) for i in range(params.n)}
         base = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": now(), "model": self.model_name}
         if chat:
@@ -214,7 +214,7 @@ class OpenAIIngress:
             yield sse_event(error_body(e.message, e.param, e.code))
         yield "data: [DONE]\n\n"
 
-    async def _collect(self, first, deltas, body, params, prompt_ids, request_id: str, chat: bool):
+    async def _collect(self, first, deltas, params, prompt_ids, request_id: str, chat: bool):
         tokens = {i: [] for i in range(params.n)}
         logprobs = {i: [] for i in range(params.n)}
         final = {}

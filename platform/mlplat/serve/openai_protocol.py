@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from mlplat.engine import SamplingParams
 
@@ -44,28 +44,14 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int]
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
     logprobs: int | None = Field(None, ge=0, le=5)  # we return the chosen token's log-prob only
-
-    @field_validator("prompt")
-    @classmethod
-    def _non_empty(cls, v):
-        if not v:
-            raise ValueError("prompt must not be empty")
-        return v
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=5)
-
-    @field_validator("messages")
-    @classmethod
-    def _non_empty(cls, v):
-        if not v:
-            raise ValueError("messages must contain at least one message")
-        return v
+    top_logprobs: int | None = Field(None, ge=0, le=5)  # accepted; only the chosen token's log-prob is returned
 
 
 def error_body(message: str, param: str | None = None, code: str | None = None, type_: str = "invalid_request_error") -> dict:
