@@ -3,11 +3,12 @@
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
-
 from mlplat.data.sft import SFTDataConfig
 from mlplat.models import load_model
+from mlplat.train.checkpoint import MODEL_DIR, SHARDED_DIR, TRAIN_STATE
 from mlplat.train.optim import OptimizerConfig
-from train_apps.sft import MODEL_DIR, TRAIN_STATE, SFTConfig, run_sft
+
+from train_apps.sft import SFTConfig, run_sft
 
 
 @pytest.mark.slow
@@ -39,15 +40,22 @@ def test_sft_on_two_workers_improves_loss_and_registers(ray_cluster, tracking_ur
     assert run.info.status == "FINISHED"
     assert run.data.params["optim.lr"] == "0.001" and run.data.params["num_workers"] == "2"
     assert [m.step for m in client.get_metric_history(result.run_id, "loss")] == [10, 20, 30, 40, 50, 60]
-    assert all(m.value > 0 for m in client.get_metric_history(result.run_id, "tokens_per_s"))
+    for name in ("tokens_per_s", "tokens_per_s_per_worker", "mfu", "time/forward_s", "time/backward_s", "time/optimizer_s"):
+        assert all(m.value > 0 for m in client.get_metric_history(result.run_id, name)), name
+    assert 0 <= run.data.metrics["data_wait_fraction"] < 1 and 0 <= result.data_wait_fraction < 1
+    assert run.data.metrics["mfu"] < 1
+    assert len(run.data.tags["mlplat.data.fingerprint"]) == 16 and run.data.tags["mlplat.checkpoint.latest"] == result.checkpoint_path
     assert run.data.metrics["data.bad_rows"] == 0
     assert result.model_version.uri == "models:/test-sft-model/1"
+    assert str(client.get_model_version_by_alias("test-sft-model", "candidate").version) == "1"
     version = client.get_model_version("test-sft-model", "1")
     assert version.run_id == result.run_id and version.source.endswith("/model")
 
-    # Ray Train kept the last two checkpoints, each an HF model plus optimizer state.
+    # Ray Train kept the last two checkpoints, each a sharded (DCP) state plus an HF export.
     checkpoints = sorted(p for p in (tmp_path / "ray_train").glob("sft-*/checkpoint_*") if p.is_dir())
     assert len(checkpoints) == 2
     for ckpt in checkpoints:
         assert (ckpt / MODEL_DIR / "model.safetensors").is_file() and (ckpt / TRAIN_STATE).is_file()
-    assert torch.load(checkpoints[-1] / TRAIN_STATE, weights_only=True)["step"] == 60
+        assert (ckpt / SHARDED_DIR / ".metadata").is_file()
+    state = torch.load(checkpoints[-1] / TRAIN_STATE, weights_only=True)["state"]
+    assert state["step"] == 60 and state["data"]["rows_consumed"] == 60 * 16

@@ -1,68 +1,94 @@
 """Supervised fine-tuning (SFT) of a causal LM on Ray Train.
 
-    input: an HF checkpoint (path or models:/ URI), chat JSONL
-    1. validate rows (bad ones to a rejects file, counted) and tokenize with the
-       checkpoint's chat template; labels only on assistant tokens          [Ray Data]
-    2. on each of N workers (DDP; gloo on CPU, NCCL on GPU):                 [Ray Train]
+    input: an HF checkpoint (path or models:/ URI), chat JSONL/Parquet sources
+    1. validate rows (bad ones to a rejects file, counted), mix sources, tokenize with
+       the checkpoint's chat template, optionally pack; labels on assistant tokens  [Ray Data]
+    2. on each of N workers (gloo on CPU, NCCL on GPU):                              [Ray Train]
+         model <- HF checkpoint (+ LoRA adapters), activation checkpointing, DDP or FSDP2
+         restore model, optimizer, scheduler, RNG and data position from the last checkpoint, if any
          for step in 1..max_steps:
-             batch  <- next padded batch from this worker's dataset shard
-             loss   <- sum of token cross-entropies / tokens in the global batch
-             AdamW step (grad clip), LR warmup + cosine
-             every log_every:        report loss, lr, tokens/s; rank 0 logs to MLflow
-             every checkpoint_every: Ray Train checkpoint = HF model + optimizer state
-    3. register the final HF checkpoint as a new MLflow model version         [MLflow]
-    output: run id, model version, final loss
+             micro-batches <- next grad_accum_steps batches of this worker's shard
+             loss <- sum of token cross-entropies / target tokens in the global batch
+             skip the update if loss or gradient norm is not finite (abort after too many in a row)
+             AdamW step (grad clip across shards), LR warmup + cosine
+             every log_every: loss, lr, grad norm, tokens/s, MFU, time per phase -> MLflow (rank 0)
+             every checkpoint_every: Ray Train checkpoint (sharded DCP or consolidated) + HF export
+    3. register the final HF checkpoint (LoRA merged) as an MLflow model version, with an alias [MLflow]
+    output: run id, model version, losses, data-wait fraction
 
 Run: ``python -m train_apps.sft --config sft.yaml --set optim.lr=3e-4``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import ClassVar, Literal
 
 import ray
 import ray.train
 import torch
-from pydantic import BaseModel
-from ray.train import Checkpoint, CheckpointConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
-
+from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from mlplat.config import Config, to_flat_params
+from mlplat.data.loader import ShardLoader, deterministic_data_config
 from mlplat.data.sft import DataReport, PadCollate, SFTDataConfig, prepare_sft_dataset
+from mlplat.errors import CheckpointError, ConfigError
 from mlplat.models import load_model, load_tokenizer
 from mlplat.runtime import init_ray
 from mlplat.tracking import ModelRef, RunLogger, register_model_dir, resolve_model, start_run
+from mlplat.train.checkpoint import MODEL_DIR, TRAIN_STATE, CheckpointFormat, TrainState, load_checkpoint, save_checkpoint
+from mlplat.train.lora import LoRAConfig, apply_lora
 from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer
+from mlplat.train.parallel import ParallelConfig, parallelize, unwrap
+from mlplat.train.perf import PhaseTimer, flops_per_token, peak_flops
 from mlplat.train.step import StepStats, train_step
-
-MODEL_DIR = "model"  # inside a checkpoint: the HF checkpoint, servable as-is
-TRAIN_STATE = "train_state.pt"  # inside a checkpoint: optimizer, scheduler, step
+from pydantic import BaseModel, Field, model_validator
+from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+from ray.util.metrics import Gauge
 
 
 class SFTConfig(Config):
     model: str  # local HF checkpoint directory or models:/NAME/VERSION|@ALIAS
     data: SFTDataConfig
     optim: OptimizerConfig = OptimizerConfig()
-    max_steps: int = 500
-    batch_size_per_worker: int = 32
-    num_workers: int = 2
+    parallel: ParallelConfig = ParallelConfig()  # ddp or fsdp (FSDP2), activation checkpointing, mixed precision
+    lora: LoRAConfig | None = None  # train LoRA adapters instead of all weights; exported merged
+    max_steps: int = Field(default=500, gt=0)
+    batch_size_per_worker: int = Field(default=32, gt=0)  # rows per micro-batch
+    grad_accum_steps: int = Field(default=1, gt=0)  # micro-batches per optimizer step
+    num_workers: int = Field(default=2, gt=0)
     use_gpu: bool = False
     bf16: bool = True  # autocast to bf16 on GPU; CPU trains in fp32
-    log_every: int = 10
-    checkpoint_every: int = 250
-    num_checkpoints_to_keep: int = 2
+    deterministic_data: bool = True  # same batches in the same order on every run: exact resume (see mlplat.data.loader)
+    max_bad_steps_in_row: int = Field(default=5, gt=0)  # non-finite loss/grad norm: skip the step; abort after this many in a row
+    log_every: int = Field(default=10, gt=0)
+    checkpoint_every: int = Field(default=250, gt=0)
+    checkpoint_format: CheckpointFormat = "sharded"
+    checkpoint_hf: bool = True  # also export a servable HF model into every checkpoint (always into the last)
+    num_checkpoints_to_keep: int | None = 2  # None keeps all
+    checkpoint_score_metric: str | None = None  # e.g. "loss": keep the best by it instead of the latest
+    checkpoint_score_order: Literal["min", "max"] = "min"
+    max_failures: int = Field(default=0, ge=-1)  # restarts from the last checkpoint after a worker dies (-1: unlimited)
+    resume_from: str | None = None  # a checkpoint directory of an earlier run to continue from
+    peak_tflops: float | None = None  # per device, for MFU; default: table of GPUs, measured on CPU
     seed: int = 0
     storage_path: str = "outputs/ray_train"  # Ray Train run storage (local path or URI)
     experiment: str = "mlplat-sft"
     run_name: str | None = None
     registered_model: str | None = "sft-model"  # None: log the model but do not register it
-    registered_alias: str | None = None
+    registered_alias: str | None = "candidate"
+
+    @model_validator(mode="after")
+    def _checks(self):
+        if self.parallel.strategy == "fsdp" and self.lora is not None:
+            raise ValueError("lora with parallel.strategy=fsdp is not supported yet: use parallel.strategy=ddp for LoRA")
+        return self
 
 
 class SFTResult(BaseModel):
@@ -71,114 +97,230 @@ class SFTResult(BaseModel):
     model_version: ModelRef | None
     first_loss: float
     final_loss: float
+    skipped_steps: int
+    data_wait_fraction: float  # of rank 0's step time spent waiting for the next batch, whole run
+    checkpoint_path: str  # the last Ray Train checkpoint
     data: DataReport
 
 
 def train_loop_per_worker(config: dict) -> None:
     cfg = SFTConfig.model_validate(config["sft"])
-    logger = RunLogger(config["run_id"], config["tracking_uri"]) if ray.train.get_context().get_world_rank() == 0 else None
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    logger = RunLogger(config["run_id"], config["tracking_uri"]) if rank == 0 else None
+    monitor = SystemMetricsMonitor(config["run_id"], tracking_uri=config["tracking_uri"]) if rank == 0 else None
+    if monitor:
+        monitor.start()  # MLflow's system/* metrics (CPU, memory, GPU) of rank 0's node
+    try:
+        _train(cfg, config, rank, world_size, logger)
+    finally:
+        if monitor:
+            monitor.finish()
+
+
+def _train(cfg: SFTConfig, config: dict, rank: int, world_size: int, logger: RunLogger | None) -> None:
     torch.manual_seed(cfg.seed)
     if not cfg.use_gpu:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-
-    checkpoint = ray.train.get_checkpoint()  # set when Ray Train restarts us after a failure
-    with checkpoint.as_directory() if checkpoint else contextlib.nullcontext() as ckpt:
-        model = load_model(Path(ckpt) / MODEL_DIR if ckpt else config["model_dir"])
-        optimizer = build_optimizer(model, cfg.optim)
-        scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.max_steps)
-        step = 0
-        if ckpt:
-            state = torch.load(Path(ckpt) / TRAIN_STATE, weights_only=True)
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
-            step = state["step"]
-    tokenizer = load_tokenizer(config["model_dir"])
-    model = ray.train.torch.prepare_model(model)  # moves to the worker's device, wraps in DDP
     device = ray.train.torch.get_device()
-    bf16 = cfg.use_gpu and cfg.bf16
 
-    shard = ray.train.get_dataset_shard("train")
-    window = _Window()
-    while step < cfg.max_steps:
-        batches = shard.iter_torch_batches(
-            batch_size=cfg.batch_size_per_worker,
-            collate_fn=None if cfg.data.pack else PadCollate(tokenizer.pad_token_id),  # packed rows are fixed-length
-            drop_last=True,  # equal batch counts on every rank, so DDP never waits on a missing peer
-            local_shuffle_buffer_size=8 * cfg.batch_size_per_worker,
-            local_shuffle_seed=cfg.seed + step,
-        )
-        for batch in batches:
-            stats = train_step(model, {k: v.to(device) for k, v in batch.items()}, optimizer, scheduler, cfg.optim.grad_clip, bf16)
-            step += 1
-            window.add(stats)
-            if step % cfg.log_every == 0 or step == cfg.max_steps:
-                metrics = {"lr": scheduler.get_last_lr()[0], **window.metrics()}
-                if logger:
-                    logger.log_metrics(metrics, step=step)
-                save = step % cfg.checkpoint_every == 0 or step == cfg.max_steps
-                _report({"step": step, **metrics}, model, tokenizer, optimizer, scheduler, step, save)
-                window = _Window()
-            if step >= cfg.max_steps:
-                break
+    model = load_model(config["model_dir"])
+    if cfg.lora:
+        model = apply_lora(model, cfg.lora)
+    model = parallelize(model, cfg.parallel, device)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.max_steps)
+    state = TrainState()
+    # A restart after a failure continues from this run's latest checkpoint; a new run from resume_from.
+    checkpoint = ray.train.get_checkpoint() or (Checkpoint(cfg.resume_from) if cfg.resume_from else None)
+    if checkpoint:
+        with checkpoint.as_directory() as ckpt:
+            state = load_checkpoint(Path(ckpt), model, optimizer, scheduler)
+        if logger:
+            logger.log_metrics({"restored_from_step": state.step}, step=state.step)
+    tokenizer = load_tokenizer(config["model_dir"])
+
+    loader = ShardLoader(
+        ray.train.get_dataset_shard("train"),
+        cfg.batch_size_per_worker,
+        collate_fn=None if cfg.data.pack else PadCollate(tokenizer.pad_token_id),  # packed rows are fixed-length
+        seed=cfg.seed,
+        position=state.data,
+    )
+    timer = PhaseTimer(device)
+    window = _Window(world_size, flops_per_token(unwrap(model), cfg.data.max_seq_len), peak_flops(device, cfg.peak_tflops))
+    gauges = _Gauges(config["run_id"], rank)
+    bf16 = cfg.use_gpu and cfg.bf16
+    while state.step < cfg.max_steps:
+        step_start = time.perf_counter()
+        with timer.phase("data_wait"):
+            micro_batches = [{k: v.to(device) for k, v in loader.next().items()} for _ in range(cfg.grad_accum_steps)]
+        stats = train_step(model, micro_batches, optimizer, scheduler, cfg.optim.grad_clip, bf16, timer)
+        state.step += 1
+        state.data = loader.position.model_copy()
+        state.bad_steps_in_row = state.bad_steps_in_row + 1 if stats.skipped else 0
+        state.skipped_steps += stats.skipped
+        if state.bad_steps_in_row >= cfg.max_bad_steps_in_row:
+            raise FloatingPointError(
+                f"step {state.step}: loss or gradient norm was not finite for {state.bad_steps_in_row} steps in a row "
+                f"(last loss {stats.loss}, grad norm {stats.grad_norm}); lower optim.lr, check the data, or raise max_bad_steps_in_row"
+            )
+        window.add(stats, time.perf_counter() - step_start, timer.reset())
+        if state.step == 1:
+            window.time_to_first_step_s = time.time() - config["job_start_time"]
+        if state.step % cfg.log_every == 0 or state.step == cfg.max_steps:
+            metrics = {"lr": scheduler.get_last_lr()[0], "skipped_steps": state.skipped_steps, "epoch": state.data.epoch, **window.metrics()}
+            if logger:
+                logger.log_metrics(metrics, step=state.step)
+            gauges.set(metrics)
+            last = state.step == cfg.max_steps
+            save = state.step % cfg.checkpoint_every == 0 or last
+            _report({"step": state.step, **metrics}, save, cfg, model, optimizer, scheduler, state, tokenizer, export_hf=cfg.checkpoint_hf or last)
+            window = window.next()
 
 
 class _Window:
-    """Metrics over the steps since the last log line."""
+    """Metrics over the steps since the last log line, plus whole-run data-wait totals."""
 
-    def __init__(self):
-        self.loss_sum, self.targets, self.tokens, self.start = 0.0, 0, 0, time.perf_counter()
+    PHASES = ("data_wait", "forward", "backward", "optimizer", "comm")
 
-    def add(self, stats: StepStats) -> None:
-        self.loss_sum += stats.loss * stats.target_tokens
-        self.targets += stats.target_tokens
+    def __init__(self, world_size: int, flops_per_token: float, peak_flops: float):
+        self.world_size, self.flops_per_token, self.peak_flops = world_size, flops_per_token, peak_flops
+        self.total_wait_s = self.total_step_s = 0.0
+        self.time_to_first_step_s: float | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.steps = self.targets = self.tokens = 0
+        self.loss_sum = self.grad_norm_sum = self.step_s = 0.0
+        self.phase_s = dict.fromkeys(self.PHASES, 0.0)
+
+    def next(self) -> _Window:
+        self._reset()
+        return self
+
+    def add(self, stats: StepStats, step_s: float, phase_s: dict[str, float]) -> None:
+        self.steps += 1
+        if not stats.skipped:
+            self.loss_sum += stats.loss * stats.target_tokens
+            self.targets += stats.target_tokens
+            self.grad_norm_sum += stats.grad_norm
         self.tokens += stats.tokens
+        self.step_s += step_s
+        for name, seconds in phase_s.items():
+            self.phase_s[name] += seconds
+        self.total_wait_s += phase_s.get("data_wait", 0.0)
+        self.total_step_s += step_s
 
     def metrics(self) -> dict[str, float]:
-        return {"loss": self.loss_sum / max(1, self.targets), "tokens_per_s": self.tokens / (time.perf_counter() - self.start)}
+        tokens_per_s = self.tokens / self.step_s
+        per_worker = tokens_per_s / self.world_size
+        metrics = {
+            "loss": self.loss_sum / max(1, self.targets),
+            "grad_norm": self.grad_norm_sum / max(1, self.steps),
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_worker": per_worker,
+            "mfu": per_worker * self.flops_per_token / self.peak_flops,
+            "time/step_s": self.step_s / self.steps,
+            **{f"time/{name}_s": seconds / self.steps for name, seconds in self.phase_s.items()},
+            "data_wait_fraction": self.phase_s["data_wait"] / self.step_s,
+            "run/data_wait_s": self.total_wait_s,
+            "run/step_s": self.total_step_s,
+        }
+        if self.time_to_first_step_s is not None:
+            metrics["time_to_first_step_s"] = self.time_to_first_step_s
+        return metrics
 
 
-def _report(metrics, model, tokenizer, optimizer, scheduler, step, save: bool) -> None:
-    """Report metrics from every rank; rank 0 attaches a checkpoint when ``save``."""
-    if not (save and ray.train.get_context().get_world_rank() == 0):
+class _Gauges:
+    """The step-time breakdown as Prometheus metrics (Ray exports them with a ``ray_`` prefix)."""
+
+    NAMES: ClassVar = {"loss": "loss", "tokens_per_s": "tokens_per_second", "mfu": "mfu", "data_wait_fraction": "data_wait_fraction"}
+
+    def __init__(self, run_id: str, rank: int):
+        self.tags = {"run_id": run_id, "rank": str(rank)}
+        keys = ("run_id", "rank")
+        self.gauges = {key: Gauge(f"mlplat_train_{name}", f"SFT {name}, last log window", tag_keys=keys) for key, name in self.NAMES.items()}
+        self.phase = Gauge("mlplat_train_step_phase_seconds", "mean seconds per step in each phase", tag_keys=(*keys, "phase"))
+
+    def set(self, metrics: dict[str, float]) -> None:
+        for key, gauge in self.gauges.items():
+            gauge.set(metrics[key], tags=self.tags)
+        for name in _Window.PHASES:
+            self.phase.set(metrics[f"time/{name}_s"], tags={**self.tags, "phase": name})
+
+
+def _report(metrics, save: bool, cfg: SFTConfig, model, optimizer, scheduler, state: TrainState, tokenizer, export_hf: bool) -> None:
+    """Report metrics from every rank; with ``save``, every rank writes its part of a checkpoint."""
+    if not save:
         ray.train.report(metrics)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        unwrapped = model.module if hasattr(model, "module") else model
-        unwrapped.save_pretrained(Path(tmp) / MODEL_DIR, safe_serialization=True)
-        tokenizer.save_pretrained(Path(tmp) / MODEL_DIR)
-        torch.save(
-            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step},
-            Path(tmp) / TRAIN_STATE,
-        )
-        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp))
+        save_checkpoint(Path(tmp), model, optimizer, scheduler, state, cfg.checkpoint_format, tokenizer, export_hf)
+        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp) if any(Path(tmp).iterdir()) else None)
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
 
 
 def run_sft(cfg: SFTConfig, tracking_uri: str | None = None, work_dir: str | Path = "outputs") -> SFTResult:
     """Run the recipe on the connected Ray cluster (``ray.init()`` is called if needed)."""
     from mlplat.tracking.runs import default_tracking_uri
 
+    job_start_time = time.time()
     tracking_uri = tracking_uri or default_tracking_uri()
     model_dir = resolve_model(cfg.model, download_dir=Path(work_dir) / "downloads", tracking_uri=tracking_uri)
+    if cfg.resume_from:
+        if "://" not in cfg.resume_from:  # workers may run elsewhere: an absolute path
+            cfg = cfg.model_copy(update={"resume_from": str(Path(cfg.resume_from).resolve())})
+        with Checkpoint(cfg.resume_from).as_directory() as ckpt:
+            if not (Path(ckpt) / TRAIN_STATE).is_file():
+                raise CheckpointError(f"resume_from: {cfg.resume_from} is not a training checkpoint directory (no {TRAIN_STATE})")
+            resumed_step = torch.load(Path(ckpt) / TRAIN_STATE, weights_only=True)["state"]["step"]
+        if resumed_step >= cfg.max_steps:
+            raise ConfigError(f"resume_from: the checkpoint is at step {resumed_step}, not before max_steps={cfg.max_steps}: raise max_steps")
     init_ray(num_training_workers=cfg.num_workers)
-    run_id = start_run(cfg.experiment, cfg.run_name, params=to_flat_params(cfg), tags={"mlplat.recipe": "sft"}, tracking_uri=tracking_uri)
+    tags = {"mlplat.recipe": "sft", "mlplat.resumed_from": cfg.resume_from or ""}
+    if commit := _git_commit():
+        tags["mlflow.source.git.commit"] = commit
+    run_id = start_run(cfg.experiment, cfg.run_name, params=to_flat_params(cfg), tags=tags, tracking_uri=tracking_uri)
     logger = RunLogger(run_id, tracking_uri)
     try:
         dataset, report = prepare_sft_dataset(cfg.data, str(model_dir), rejects_dir=Path(work_dir) / run_id)
+        logger.set_tags({"mlplat.data.fingerprint": report.fingerprint})
         logger.log_metrics({
             "data.bad_rows": report.bad_rows,
             "data.rows_read": report.rows_read,
             "data.rows_used": report.rows_used,
             **{f"data.source{i}.rows_used": s.rows_used for i, s in enumerate(report.sources)},
         })
+        storage = str(Path(cfg.storage_path).resolve()) if "://" not in cfg.storage_path else cfg.storage_path
         trainer = TorchTrainer(
             train_loop_per_worker,
-            train_loop_config={"sft": cfg.model_dump(mode="json"), "run_id": run_id, "tracking_uri": tracking_uri, "model_dir": str(model_dir)},
+            train_loop_config={
+                "sft": cfg.model_dump(mode="json"),
+                "run_id": run_id,
+                "tracking_uri": tracking_uri,
+                "model_dir": str(model_dir),
+                "job_start_time": job_start_time,
+            },
             scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu),
             datasets={"train": dataset},
+            dataset_config=deterministic_data_config() if cfg.deterministic_data else None,
             run_config=RunConfig(
                 name=f"sft-{run_id}",
-                storage_path=str(Path(cfg.storage_path).resolve()) if "://" not in cfg.storage_path else cfg.storage_path,
-                checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep),
+                storage_path=storage,
+                failure_config=FailureConfig(max_failures=cfg.max_failures),
+                checkpoint_config=CheckpointConfig(
+                    num_to_keep=cfg.num_checkpoints_to_keep,
+                    checkpoint_score_attribute=cfg.checkpoint_score_metric,
+                    checkpoint_score_order=cfg.checkpoint_score_order,
+                ),
             ),
         )
         result = trainer.fit()
@@ -186,6 +328,9 @@ def run_sft(cfg: SFTConfig, tracking_uri: str | None = None, work_dir: str | Pat
         final_dir = Path(work_dir) / run_id / "final"
         with result.checkpoint.as_directory() as ckpt:
             shutil.copytree(Path(ckpt) / MODEL_DIR, final_dir, dirs_exist_ok=True)
+        checkpoints = [{"path": c.path, "step": m.get("step"), "loss": m.get("loss")} for c, m in result.best_checkpoints]
+        logger.log_dict({"checkpoints": checkpoints, "latest": result.checkpoint.path}, "checkpoints.json")
+        logger.set_tags({"mlplat.checkpoint.latest": result.checkpoint.path})
         version = None
         if cfg.registered_model:
             version = register_model_dir(run_id, final_dir, cfg.registered_model, cfg.registered_alias, tracking_uri)
@@ -195,12 +340,16 @@ def run_sft(cfg: SFTConfig, tracking_uri: str | None = None, work_dir: str | Pat
     except BaseException:
         logger.end("FAILED")
         raise
+    final = result.metrics
     return SFTResult(
         run_id=run_id,
         model_dir=str(final_dir),
         model_version=version,
         first_loss=min(losses, key=lambda m: m.step).value,
         final_loss=max(losses, key=lambda m: m.step).value,
+        skipped_steps=int(final["skipped_steps"]),
+        data_wait_fraction=final["run/data_wait_s"] / final["run/step_s"],
+        checkpoint_path=result.checkpoint.path,
         data=report,
     )
 

@@ -39,7 +39,7 @@ from ray.data.expressions import col
 
 from mlplat.config import Config
 from mlplat.data.schemas import Task, reason_category, row_error
-from mlplat.data.sources import SourceConfig, list_files, read_source
+from mlplat.data.sources import Listing, SourceConfig, list_files, read_source
 from mlplat.errors import DataError
 
 
@@ -93,6 +93,16 @@ class DataReport(BaseModel):
     rows_used: int = 0  # expected rows in the (mixed) dataset, before tokenization and packing
     bad_rows_by_reason: dict[str, int] = Field(default_factory=dict)
     sources: list[SourceReport] = Field(default_factory=list)
+    fingerprint: str = ""  # of the data config and every file's path, size and mtime: same value, same data
+
+
+def fingerprint(cfg: DataConfig, listings: list[Listing]) -> str:
+    """A short hash naming the dataset a run trained on, cheap to compute (file metadata, not contents)."""
+    digest = hashlib.sha256(cfg.model_dump_json().encode())
+    for listing in listings:
+        for info in listing.fs.get_file_info([path for path, _ in listing.files]):
+            digest.update(f"{listing.prefix}{info.path}\0{info.size}\0{info.mtime_ns}\n".encode())
+    return digest.hexdigest()[:16]
 
 
 def _errors(batch: pa.Table, task: Task) -> np.ndarray:
@@ -172,6 +182,7 @@ def prepare_rows(cfg: DataConfig, task: Task, rejects_dir: str | Path) -> tuple[
         first_error=None,
         rows_read=sum(rows_read.values()),
         bad_rows_by_reason=dict(by_reason.most_common()),
+        fingerprint=fingerprint(cfg, listings),
     )
     if report.bad_rows:
         rejected = summary.filter(expr=col("error") != "").select_columns(["text", "path", "row", "error"])

@@ -1,0 +1,112 @@
+"""Training checkpoints: model + optimizer + scheduler + RNG + data position, and HF export.
+
+A checkpoint directory holds, by ``format``:
+
+- ``sharded``: ``sharded/`` is a torch.distributed.checkpoint (DCP) of model and
+  optimizer, every rank writing its own shard (no gather, the only option at scale);
+  it loads onto the same or another world size.
+- ``consolidated``: ``full_state.pt`` holds the full model and optimizer state, written
+  by rank 0 (a gather: fine for small models, one portable file).
+
+and in both ``train_state.pt`` (rank 0: step, data position, scheduler, RNG) and,
+when asked, ``model/``: a plain HF checkpoint (safetensors + tokenizer) that serving
+and ``mlplat eval`` load as-is. Each rank writes into its own local directory and Ray
+Train merges them into one checkpoint (file names never collide across ranks).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from mlplat.data.loader import DataPosition
+from mlplat.train.lora import is_lora, merge_and_export
+from mlplat.train.parallel import full_state_dict, load_sharded, save_sharded, unwrap
+
+CheckpointFormat = Literal["sharded", "consolidated"]
+MODEL_DIR = "model"  # the HF export, servable as-is
+TRAIN_STATE = "train_state.pt"
+FULL_STATE = "full_state.pt"
+SHARDED_DIR = "sharded"
+
+
+class TrainState(BaseModel):
+    step: int = 0
+    data: DataPosition = DataPosition()
+    skipped_steps: int = 0  # steps skipped for a non-finite loss or gradient norm, in total
+    bad_steps_in_row: int = 0
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def save_checkpoint(
+    directory: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    state: TrainState,
+    format: CheckpointFormat,
+    tokenizer=None,
+    export_hf: bool = False,
+) -> None:
+    """Write this rank's part of a checkpoint into ``directory``. Every rank must call it."""
+    directory = Path(directory)
+    if format == "sharded":
+        save_sharded(directory / SHARDED_DIR, model, optimizer)
+    else:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state, optim_state = get_state_dict(model, optimizer, options=options)
+        if _rank() == 0:
+            torch.save({"model": model_state, "optimizer": optim_state}, directory / FULL_STATE)
+    if export_hf:
+        export_hf_model(directory / MODEL_DIR, model, tokenizer)
+    if _rank() == 0:
+        torch.save(
+            {"state": state.model_dump(), "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()},
+            directory / TRAIN_STATE,
+        )
+
+
+def load_checkpoint(
+    directory: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> TrainState:
+    """Restore model, optimizer, scheduler and RNG in place (after ``parallelize``); return the train state."""
+    directory = Path(directory)
+    if (directory / SHARDED_DIR).is_dir():
+        load_sharded(directory / SHARDED_DIR, model, optimizer)
+    elif (directory / FULL_STATE).is_file():
+        full = torch.load(directory / FULL_STATE, weights_only=True, map_location="cpu")
+        set_state_dict(
+            model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optimizer"],
+            options=StateDictOptions(full_state_dict=True),
+        )  # fmt: skip
+    else:
+        raise FileNotFoundError(f"{directory} is not an mlplat training checkpoint: no {SHARDED_DIR}/ or {FULL_STATE}")
+    saved = torch.load(directory / TRAIN_STATE, weights_only=True)
+    scheduler.load_state_dict(saved["scheduler"])
+    torch.set_rng_state(saved["rng"])
+    return TrainState.model_validate(saved["state"])
+
+
+def export_hf_model(out_dir: Path, model: torch.nn.Module, tokenizer=None) -> None:
+    """Save a plain HF checkpoint of ``model`` on rank 0 (a collective gather under FSDP)."""
+    state = full_state_dict(model)
+    if _rank() != 0:
+        return
+    hf_model = unwrap(model)
+    if is_lora(hf_model):  # LoRA: adapters merged into the base weights, a plain HF checkpoint
+        merge_and_export(hf_model, out_dir, tokenizer, state_dict=state)
+        return
+    hf_model.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
