@@ -6,9 +6,9 @@ import pytest
 
 from mlplat.data.chat import chat_row_error, tokenize_chat
 from mlplat.data.sft import SFTDataConfig, prepare_sft_dataset
-from mlplat.train.batch import IGNORE_INDEX
 from mlplat.errors import DataError
 from mlplat.models import load_tokenizer
+from mlplat.train.batch import IGNORE_INDEX
 
 CONVERSATION = [
     {"role": "system", "content": "You add numbers."},

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qw
 
 from mlplat.engine import EngineConfig, LLMEngine, QueueFullError, SamplingParams
 from mlplat.engine.config import SpeculativeConfig
-from mlplat.engine.spec_decode import verify
 from mlplat.engine.model import AttentionMetadata, paged_attention
+from mlplat.engine.spec_decode import verify
 from mlplat.models import load_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -7,6 +7,13 @@ import peft
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    checkpoint_wrapper,
+)
+from transformers import AutoModelForCausalLM
+
 from mlplat.config import validate
 from mlplat.engine.config import EngineConfig
 from mlplat.engine.runner import ModelRunner
@@ -25,12 +32,6 @@ from mlplat.train.lora import (
 )
 from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer
 from mlplat.train.step import train_step
-from safetensors.torch import load_file
-from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    checkpoint_wrapper,
-)
-from transformers import AutoModelForCausalLM
 
 LORA = LoRAConfig(r=8, alpha=16)
 OPTIM = OptimizerConfig(lr=5e-3, warmup_steps=0)  # 1e-2 oscillates at this size

@@ -17,6 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from transformers import AutoModelForCausalLM
+
 from mlplat.config import validate
 from mlplat.errors import ConfigError
 from mlplat.models import load_model
@@ -24,8 +27,6 @@ from mlplat.train.batch import IGNORE_INDEX
 from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer
 from mlplat.train.parallel import ParallelConfig, full_state_dict, load_sharded, parallelize, save_sharded, unwrap
 from mlplat.train.step import train_step
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-from transformers import AutoModelForCausalLM
 
 WORLD = 2
 ROWS = 8  # global batch; each rank takes half

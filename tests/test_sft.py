@@ -1,13 +1,16 @@
 """The SFT recipe on a real local Ray cluster (2 DDP workers, gloo) tracked in a real MLflow store."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+
 from mlplat.data.sft import SFTDataConfig
 from mlplat.models import load_model
 from mlplat.train.checkpoint import MODEL_DIR, SHARDED_DIR, TRAIN_STATE
+from mlplat.train.lora import LoRAConfig
 from mlplat.train.optim import OptimizerConfig
-
 from train_apps.sft import SFTConfig, run_sft
 
 
@@ -44,6 +47,8 @@ def test_sft_on_two_workers_improves_loss_and_registers(ray_cluster, tracking_ur
         assert all(m.value > 0 for m in client.get_metric_history(result.run_id, name)), name
     assert 0 <= run.data.metrics["data_wait_fraction"] < 1 and 0 <= result.data_wait_fraction < 1
     assert run.data.metrics["mfu"] < 1
+    assert 0.5 < run.data.metrics["data/packing_efficiency"] <= 1  # packed rows: mostly real tokens
+    assert run.data.metrics["data/tokens"] > 60 * 32 * 10  # cumulative, all ranks
     assert len(run.data.tags["mlplat.data.fingerprint"]) == 16 and run.data.tags["mlplat.checkpoint.latest"] == result.checkpoint_path
     assert run.data.metrics["data.bad_rows"] == 0
     assert result.model_version.uri == "models:/test-sft-model/1"
@@ -59,3 +64,33 @@ def test_sft_on_two_workers_improves_loss_and_registers(ray_cluster, tracking_ur
         assert (ckpt / SHARDED_DIR / ".metadata").is_file()
     state = torch.load(checkpoints[-1] / TRAIN_STATE, weights_only=True)["state"]
     assert state["step"] == 60 and state["data"]["rows_consumed"] == 60 * 16
+
+
+@pytest.mark.slow
+def test_lora_sft_exports_a_merged_plain_checkpoint(ray_cluster, tracking_uri, demo_data, tiny_model, tmp_path):
+    cfg = SFTConfig(
+        model=str(tiny_model),
+        data=SFTDataConfig(path=str(demo_data.sft), pack=True, max_seq_len=128),
+        optim=OptimizerConfig(lr=5e-3, warmup_steps=5),
+        lora=LoRAConfig(r=8, alpha=16),
+        max_steps=30,
+        batch_size_per_worker=8,
+        num_workers=2,
+        log_every=5,
+        storage_path=str(tmp_path / "ray_train"),
+        experiment="test-sft-lora",
+        registered_model=None,
+    )
+    result = run_sft(cfg, tracking_uri=tracking_uri, work_dir=tmp_path / "outputs")
+    assert result.final_loss < result.first_loss
+    run = MlflowClient(tracking_uri).get_run(result.run_id)
+    assert run.data.params["lora.r"] == "8"
+
+    # A plain HF checkpoint: adapters merged into the base weights, no peft files.
+    exported = sorted(p.name for p in Path(result.model_dir).iterdir())
+    assert "adapter_config.json" not in exported and "model.safetensors" in exported
+    base, tuned = load_model(tiny_model), load_model(result.model_dir)
+    assert not torch.equal(base.model.layers[0].self_attn.q_proj.weight, tuned.model.layers[0].self_attn.q_proj.weight)
+    # Only the LoRA target modules changed: norms and embeddings are the base model's.
+    torch.testing.assert_close(base.model.norm.weight, tuned.model.norm.weight, rtol=0, atol=0)
+    torch.testing.assert_close(base.model.embed_tokens.weight, tuned.model.embed_tokens.weight, rtol=0, atol=0)

@@ -14,11 +14,11 @@ import psutil
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
+
 from mlplat.data.sft import SFTDataConfig
 from mlplat.train.checkpoint import TRAIN_STATE
 from mlplat.train.optim import OptimizerConfig
-from safetensors.torch import load_file
-
 from train_apps.sft import SFTConfig, run_sft
 
 

@@ -3,6 +3,7 @@
 import math
 
 import torch
+
 from mlplat.models import load_model
 from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer
 from mlplat.train.perf import PhaseTimer, flops_per_token
@@ -33,7 +34,7 @@ def test_gradient_accumulation_equals_one_big_batch(tiny_model):
         a = train_step(whole[0], batch, *whole[1:], grad_clip=1.0)
         b = train_step(accumulated[0], halves, *accumulated[1:], grad_clip=1.0)
         assert math.isclose(a.loss, b.loss, rel_tol=1e-5) and math.isclose(a.grad_norm, b.grad_norm, rel_tol=1e-4)
-        assert a.tokens == b.tokens == 8 * 24 - 12 and not a.skipped
+        assert a.tokens == b.tokens == 8 * 24 - 12 and a.slots == b.slots == 8 * 24 and not a.skipped
     for p, q in zip(whole[0].parameters(), accumulated[0].parameters()):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4)
 

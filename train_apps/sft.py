@@ -34,6 +34,11 @@ import ray
 import ray.train
 import torch
 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+from pydantic import BaseModel, Field, model_validator
+from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+from ray.util.metrics import Gauge
+
 from mlplat.config import Config, to_flat_params
 from mlplat.data.loader import ShardLoader, deterministic_data_config
 from mlplat.data.sft import DataReport, PadCollate, SFTDataConfig, prepare_sft_dataset
@@ -47,10 +52,6 @@ from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimi
 from mlplat.train.parallel import ParallelConfig, parallelize, unwrap
 from mlplat.train.perf import PhaseTimer, flops_per_token, peak_flops
 from mlplat.train.step import StepStats, train_step
-from pydantic import BaseModel, Field, model_validator
-from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
-from ray.util.metrics import Gauge
 
 
 class SFTConfig(Config):
@@ -187,11 +188,12 @@ class _Window:
     def __init__(self, world_size: int, flops_per_token: float, peak_flops: float):
         self.world_size, self.flops_per_token, self.peak_flops = world_size, flops_per_token, peak_flops
         self.total_wait_s = self.total_step_s = 0.0
+        self.total_tokens = 0
         self.time_to_first_step_s: float | None = None
         self._reset()
 
     def _reset(self) -> None:
-        self.steps = self.targets = self.tokens = 0
+        self.steps = self.targets = self.tokens = self.slots = 0
         self.loss_sum = self.grad_norm_sum = self.step_s = 0.0
         self.phase_s = dict.fromkeys(self.PHASES, 0.0)
 
@@ -206,6 +208,8 @@ class _Window:
             self.targets += stats.target_tokens
             self.grad_norm_sum += stats.grad_norm
         self.tokens += stats.tokens
+        self.slots += stats.slots
+        self.total_tokens += stats.tokens
         self.step_s += step_s
         for name, seconds in phase_s.items():
             self.phase_s[name] += seconds
@@ -224,6 +228,8 @@ class _Window:
             "time/step_s": self.step_s / self.steps,
             **{f"time/{name}_s": seconds / self.steps for name, seconds in self.phase_s.items()},
             "data_wait_fraction": self.phase_s["data_wait"] / self.step_s,
+            "data/packing_efficiency": self.tokens / max(1, self.slots),  # non-pad / all token positions
+            "data/tokens": self.total_tokens,  # produced by the pipeline and trained on, all ranks
             "run/data_wait_s": self.total_wait_s,
             "run/step_s": self.total_step_s,
         }

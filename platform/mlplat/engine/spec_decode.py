@@ -12,6 +12,7 @@ distribution is exactly the target's. Either way every step emits at least one t
 from __future__ import annotations
 
 import torch
+
 from mlplat.engine.block_manager import BlockManager
 from mlplat.engine.config import SpeculativeConfig
 from mlplat.engine.sampling import SamplingParams, probs

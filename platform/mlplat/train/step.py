@@ -26,6 +26,7 @@ class StepStats:
     loss: float  # mean cross-entropy per target token over the global batch
     target_tokens: int  # tokens that carried loss, all ranks
     tokens: int  # tokens processed (padding excluded), all ranks
+    slots: int  # token positions in the batches, padding included, all ranks (tokens / slots: packing efficiency)
     grad_norm: float  # before clipping
     skipped: bool  # non-finite loss or gradient norm: no update was applied
 
@@ -75,7 +76,9 @@ def train_step(
     timer = timer or PhaseTimer(micro_batches[0]["input_ids"].device)
     device_type = micro_batches[0]["input_ids"].device.type
     with timer.phase("comm"):
-        local = torch.stack([torch.stack([(b["labels"][:, 1:] != IGNORE_INDEX).sum(), count_tokens(b)]) for b in micro_batches]).sum(0)
+        local = torch.stack(
+            [torch.stack([(b["labels"][:, 1:] != IGNORE_INDEX).sum(), count_tokens(b), torch.tensor(b["input_ids"].numel(), device=b["input_ids"].device)]) for b in micro_batches]
+        ).sum(0)
         counts = _all_reduce_sum(local.to(torch.float64))
     scale = _world_size() / counts[0].clamp(min=1)
 
@@ -100,4 +103,4 @@ def train_step(
             optimizer.step()
         scheduler.step()  # the schedule follows steps taken, skipped or not
         optimizer.zero_grad(set_to_none=True)
-    return StepStats(loss=global_loss, target_tokens=int(counts[0]), tokens=int(counts[1]), grad_norm=grad_norm, skipped=skipped)
+    return StepStats(loss=global_loss, target_tokens=int(counts[0]), tokens=int(counts[1]), slots=int(counts[2]), grad_norm=grad_norm, skipped=skipped)
