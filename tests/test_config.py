@@ -5,7 +5,7 @@ import subprocess
 import pytest
 from conftest import MLPLAT
 
-from mlplat.config import load_config
+from mlplat.config import load_config, validate
 from mlplat.errors import ConfigError
 from train_apps.sft import SFTConfig
 
@@ -73,3 +73,31 @@ def test_cli_errors_are_one_line(args, message):
 def test_cli_bad_arguments_are_usage_errors():
     out = subprocess.run([MLPLAT, "train", "nonsense"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "invalid choice" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_readme_sft_configs_validate():
+    """Every SFT YAML example in the README is a valid SFTConfig (docs that cannot drift)."""
+    import re
+
+    import yaml
+    from conftest import REPO_ROOT
+
+    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", (REPO_ROOT / "README.md").read_text(), re.S)]
+    sft = [b for b in blocks if "model" in b and "data" in b]
+    assert len(sft) >= 2
+    strategies = {SFTConfig.model_validate(b).parallel.strategy for b in sft}
+    assert strategies == {"ddp", "fsdp"}
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"lora": {"r": 8}, "parallel": {"strategy": "fsdp"}}, "lora with parallel.strategy=fsdp"),
+        ({"parallel": {"strategy": "zero3"}}, "parallel.strategy"),
+        ({"grad_accum_steps": 0}, "grad_accum_steps"),
+        ({"lora": {"target_modules": []}}, "lora.target_modules"),
+    ],
+)
+def test_bad_sft_training_options_name_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        validate(SFTConfig, {"model": "/m", "data": {"path": "/d.jsonl"}, **overrides})
