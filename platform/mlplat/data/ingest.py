@@ -233,12 +233,18 @@ def prepare_rows(cfg: DataConfig, task: Task, rejects_dir: str | Path) -> tuple[
     return mixed, report
 
 
+def _autoscaling_pool() -> ray.data.ActorPoolStrategy:
+    """Tokenizer actors from 1 up to one per CPU of the cluster: Ray Data grows the pool while
+    the tokenizer is the bottleneck and CPUs are free (training workers hold theirs)."""
+    return ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, int(ray.cluster_resources().get("CPU", 1))))
+
+
 def tokenize_rows(rows: ray.data.Dataset, tokenizer_udf: type, tokenizer_path: str, max_seq_len: int,
-                  chat_template: str | None, concurrency: int) -> ray.data.Dataset:
+                  chat_template: str | None, concurrency: int | None) -> ray.data.Dataset:
     """Run a task's tokenizer UDF (its tokenizer loaded once per actor) over validated rows."""
     return rows.map_batches(
         tokenizer_udf,
         fn_constructor_kwargs={"tokenizer_path": tokenizer_path, "max_seq_len": max_seq_len, "chat_template": chat_template},
         batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(size=concurrency),
+        compute=ray.data.ActorPoolStrategy(size=concurrency) if concurrency else _autoscaling_pool(),
     )

@@ -28,7 +28,7 @@ SIDES = ("chosen", "rejected")
 
 class PreferenceDataConfig(DataConfig):
     max_seq_len: int = 256  # per side: prompt + response, truncated on the right
-    tokenize_concurrency: int = 1
+    tokenize_concurrency: int | None = None  # tokenizer actors; None: autoscale from 1 to the cluster's CPUs
     chat_template: str | None = None  # Jinja string or .jinja file used instead of the checkpoint's
 
 

@@ -35,7 +35,7 @@ __all__ = ["ChatTokenizer", "DataReport", "PadCollate", "SFTDataConfig", "Source
 class SFTDataConfig(DataConfig):
     # path / sources: JSONL or Parquet files, directories or globs; local or any pyarrow filesystem URI
     max_seq_len: int = 128
-    tokenize_concurrency: int = 1
+    tokenize_concurrency: int | None = None  # tokenizer actors; None: autoscale from 1 to the cluster's CPUs
     pack: bool = False  # pack examples into max_seq_len rows (no cross-document attention or loss)
     pack_window_rows: int = 1024  # examples packed together (first-fit-decreasing) per window
     chat_template: str | None = None  # Jinja string or .jinja file used instead of the checkpoint's
