@@ -1,10 +1,13 @@
 """The SFT recipe on a real local Ray cluster (2 DDP workers, gloo) tracked in a real MLflow store."""
 
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import MLPLAT
 from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
 
 from mlplat.data.sft import SFTDataConfig
 from mlplat.models import load_model
@@ -94,3 +97,13 @@ def test_lora_sft_exports_a_merged_plain_checkpoint(ray_cluster, tracking_uri, d
     # Only the LoRA target modules changed: norms and embeddings are the base model's.
     torch.testing.assert_close(base.model.norm.weight, tuned.model.norm.weight, rtol=0, atol=0)
     torch.testing.assert_close(base.model.embed_tokens.weight, tuned.model.embed_tokens.weight, rtol=0, atol=0)
+
+    # On demand, from the sharded checkpoint alone (base model + adapters resharded onto one process).
+    out = subprocess.run(
+        [MLPLAT, "model", "export", "--checkpoint", result.checkpoint_path, "--out", str(tmp_path / "exported")],
+        check=False, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    exported = load_file(tmp_path / "exported" / "model.safetensors")
+    for name, tensor in load_file(Path(result.model_dir) / "model.safetensors").items():
+        torch.testing.assert_close(exported[name], tensor, rtol=0, atol=0)

@@ -17,7 +17,7 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
 from mlplat.data.sft import SFTDataConfig
-from mlplat.train.checkpoint import TRAIN_STATE
+from mlplat.train.checkpoint import MODEL_DIR, TRAIN_STATE, export_checkpoint
 from mlplat.train.optim import OptimizerConfig
 from train_apps.sft import SFTConfig, run_sft
 
@@ -59,6 +59,9 @@ def test_resume_from_checkpoint_reproduces_the_straight_run(ray_cluster, trackin
 
     # A new job from the step-10 checkpoint (sharded DCP + data position) redoes steps 11..20.
     ckpt = _checkpoint_at(tmp_path / "ray_train", 10)
+    exported = export_checkpoint(ckpt, tmp_path / "exported")  # from the DCP shards, on one process
+    for name, tensor in load_file(ckpt / MODEL_DIR / "model.safetensors").items():
+        torch.testing.assert_close(load_file(exported / "model.safetensors")[name], tensor, rtol=0, atol=0)
     resumed = run_sft(_config(demo_data, tiny_model, tmp_path, resume_from=str(ckpt)), tracking_uri, tmp_path / "out")
     resumed_losses = _losses(tracking_uri, resumed.run_id)
     assert sorted(resumed_losses) == list(range(11, 21))

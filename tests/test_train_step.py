@@ -59,8 +59,10 @@ def test_non_finite_step_is_skipped_without_touching_weights(tiny_model):
     assert set(timer.reset()) == {"comm", "forward", "backward", "optimizer"}
 
 
-def test_flops_per_token_counts_non_embedding_matmuls_and_attention(tiny_model):
+def test_flops_per_token_counts_matmuls_with_the_tied_lm_head_and_attention(tiny_model):
     model = load_model(tiny_model)
     c = model.config
-    params = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
-    assert flops_per_token(model, 128) == 6 * params + 12 * c.num_hidden_layers * c.hidden_size * 128
+    assert c.tie_word_embeddings  # the LM head shares the embedding: counted once as a matmul, never as a lookup
+    layers = sum(p.numel() for p in model.model.layers.parameters()) + model.model.norm.weight.numel()
+    lm_head = c.vocab_size * c.hidden_size
+    assert flops_per_token(model, 128) == 6 * (layers + lm_head) + 12 * c.num_hidden_layers * c.hidden_size * 128

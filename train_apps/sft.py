@@ -46,11 +46,11 @@ from mlplat.errors import CheckpointError, ConfigError
 from mlplat.models import load_model, load_tokenizer
 from mlplat.runtime import init_ray
 from mlplat.tracking import ModelRef, RunLogger, register_model_dir, resolve_model, start_run
-from mlplat.train.checkpoint import MODEL_DIR, TRAIN_STATE, CheckpointFormat, TrainState, load_checkpoint, save_checkpoint
+from mlplat.train.checkpoint import MODEL_DIR, TRAIN_STATE, CheckpointFormat, CheckpointMeta, TrainState, load_checkpoint, save_checkpoint
 from mlplat.train.lora import LoRAConfig, apply_lora
 from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer
 from mlplat.train.parallel import ParallelConfig, parallelize, unwrap
-from mlplat.train.perf import PhaseTimer, flops_per_token, peak_flops
+from mlplat.train.perf import PhaseTimer, flops_per_token, measure_cpu_peak_flops, peak_flops
 from mlplat.train.step import StepStats, train_step
 
 
@@ -149,7 +149,8 @@ def _train(cfg: SFTConfig, config: dict, rank: int, world_size: int, logger: Run
         position=state.data,
     )
     timer = PhaseTimer(device)
-    window = _Window(world_size, flops_per_token(unwrap(model), cfg.data.max_seq_len), peak_flops(device, cfg.peak_tflops))
+    meta = CheckpointMeta(base_model=config["model_dir"], lora=cfg.lora.model_dump() if cfg.lora else None, format=cfg.checkpoint_format)
+    window = _Window(world_size, flops_per_token(unwrap(model), cfg.data.max_seq_len), peak_flops(device, config["peak_tflops"]))
     gauges = _Gauges(config["run_id"], rank)
     bf16 = cfg.use_gpu and cfg.bf16
     while state.step < cfg.max_steps:
@@ -176,7 +177,7 @@ def _train(cfg: SFTConfig, config: dict, rank: int, world_size: int, logger: Run
             gauges.set(metrics)
             last = state.step == cfg.max_steps
             save = state.step % cfg.checkpoint_every == 0 or last
-            _report({"step": state.step, **metrics}, save, cfg, model, optimizer, scheduler, state, tokenizer, export_hf=cfg.checkpoint_hf or last)
+            _report({"step": state.step, **metrics}, save, meta, model, optimizer, scheduler, state, tokenizer, export_hf=cfg.checkpoint_hf or last)
             window = window.next()
 
 
@@ -256,13 +257,13 @@ class _Gauges:
             self.phase.set(metrics[f"time/{name}_s"], tags={**self.tags, "phase": name})
 
 
-def _report(metrics, save: bool, cfg: SFTConfig, model, optimizer, scheduler, state: TrainState, tokenizer, export_hf: bool) -> None:
+def _report(metrics, save: bool, meta: CheckpointMeta, model, optimizer, scheduler, state: TrainState, tokenizer, export_hf: bool) -> None:
     """Report metrics from every rank; with ``save``, every rank writes its part of a checkpoint."""
     if not save:
         ray.train.report(metrics)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        save_checkpoint(Path(tmp), model, optimizer, scheduler, state, cfg.checkpoint_format, tokenizer, export_hf)
+        save_checkpoint(Path(tmp), model, optimizer, scheduler, state, meta, tokenizer, export_hf)
         ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp) if any(Path(tmp).iterdir()) else None)
 
 
@@ -290,10 +291,14 @@ def run_sft(cfg: SFTConfig, tracking_uri: str | None = None, work_dir: str | Pat
             resumed_step = torch.load(Path(ckpt) / TRAIN_STATE, weights_only=True)["state"]["step"]
         if resumed_step >= cfg.max_steps:
             raise ConfigError(f"resume_from: the checkpoint is at step {resumed_step}, not before max_steps={cfg.max_steps}: raise max_steps")
+    # Measured before Ray and the data pipeline start, on one worker's threads (Ray gives each one CPU).
+    peak_tflops = cfg.peak_tflops or (None if cfg.use_gpu else measure_cpu_peak_flops(threads=1) / 1e12)
     init_ray(num_training_workers=cfg.num_workers)
     tags = {"mlplat.recipe": "sft", "mlplat.resumed_from": cfg.resume_from or ""}
     if commit := _git_commit():
         tags["mlflow.source.git.commit"] = commit
+    if peak_tflops:
+        tags["mlplat.mfu.peak_tflops_per_worker"] = f"{peak_tflops:.4g}"
     run_id = start_run(cfg.experiment, cfg.run_name, params=to_flat_params(cfg), tags=tags, tracking_uri=tracking_uri)
     logger = RunLogger(run_id, tracking_uri)
     try:
@@ -314,6 +319,7 @@ def run_sft(cfg: SFTConfig, tracking_uri: str | None = None, work_dir: str | Pat
                 "tracking_uri": tracking_uri,
                 "model_dir": str(model_dir),
                 "job_start_time": job_start_time,
+                "peak_tflops": peak_tflops,
             },
             scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu),
             datasets={"train": dataset},

@@ -34,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--corpus", required=True, help="chat JSONL whose texts train the tokenizer")
     _add_config_args(p)
+    p = model.add_parser("export", help="write a servable HF checkpoint (LoRA merged) from a training checkpoint")
+    p.add_argument("--checkpoint", required=True, help="a Ray Train checkpoint directory of an mlplat run")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--base-model", help="the base HF checkpoint, if it moved since training")
     p = model.add_parser("resolve", help="print the local directory of a path or models:/NAME/VERSION|@ALIAS")
     p.add_argument("uri")
 
@@ -72,6 +76,10 @@ def _run(args: argparse.Namespace) -> None:
         if not Path(args.corpus).is_file():
             raise MlplatError(f"{args.corpus}: corpus file not found")
         print(build_tiny_model(args.out, tokenizer_corpus(args.corpus), load_config(TinyModelConfig, args.config, args.overrides)))
+    elif args.command == "model" and args.model_command == "export":
+        from mlplat.train.checkpoint import export_checkpoint
+
+        print(export_checkpoint(Path(args.checkpoint), Path(args.out), args.base_model))
     elif args.command == "model" and args.model_command == "resolve":
         from mlplat.tracking import resolve_model
 

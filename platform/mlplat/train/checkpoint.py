@@ -8,23 +8,33 @@ A checkpoint directory holds, by ``format``:
 - ``consolidated``: ``full_state.pt`` holds the full model and optimizer state, written
   by rank 0 (a gather: fine for small models, one portable file).
 
-and in both ``train_state.pt`` (rank 0: step, data position, scheduler, RNG) and,
-when asked, ``model/``: a plain HF checkpoint (safetensors + tokenizer) that serving
+and in both ``train_state.pt`` (rank 0: step, data position, scheduler, RNG),
+``checkpoint.json`` (what the weights apply to: base model, LoRA config, format; read
+by ``export_checkpoint``, i.e. ``mlplat model export``) and, when asked, ``model/``: a plain HF checkpoint (safetensors + tokenizer) that serving
 and ``mlplat eval`` load as-is. Each rank writes into its own local directory and Ray
 Train merges them into one checkpoint (file names never collide across ranks).
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Literal
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from mlplat.data.loader import DataPosition
+from mlplat.errors import CheckpointError
 from mlplat.train.lora import is_lora, merge_and_export
 from mlplat.train.parallel import full_state_dict, load_sharded, save_sharded, unwrap
 
@@ -33,6 +43,13 @@ MODEL_DIR = "model"  # the HF export, servable as-is
 TRAIN_STATE = "train_state.pt"
 FULL_STATE = "full_state.pt"
 SHARDED_DIR = "sharded"
+META = "checkpoint.json"
+
+
+class CheckpointMeta(BaseModel):
+    base_model: str  # the HF checkpoint directory training started from
+    lora: dict | None = None  # the LoRAConfig, if adapters were trained
+    format: CheckpointFormat
 
 
 class TrainState(BaseModel):
@@ -52,13 +69,13 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     state: TrainState,
-    format: CheckpointFormat,
+    meta: CheckpointMeta,
     tokenizer=None,
     export_hf: bool = False,
 ) -> None:
     """Write this rank's part of a checkpoint into ``directory``. Every rank must call it."""
     directory = Path(directory)
-    if format == "sharded":
+    if meta.format == "sharded":
         save_sharded(directory / SHARDED_DIR, model, optimizer)
     else:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -72,6 +89,7 @@ def save_checkpoint(
             {"state": state.model_dump(), "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()},
             directory / TRAIN_STATE,
         )
+        (directory / META).write_text(meta.model_dump_json(indent=2))
 
 
 def load_checkpoint(
@@ -110,3 +128,33 @@ def export_hf_model(out_dir: Path, model: torch.nn.Module, tokenizer=None) -> No
     hf_model.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
+
+
+def export_checkpoint(directory: Path, out_dir: Path, base_model: str | None = None) -> Path:
+    """Write a plain HF checkpoint (LoRA merged) from a training checkpoint, in one process.
+
+    For checkpoints saved without ``model/`` (``checkpoint_hf: false``): DCP reshards the
+    saved model state onto a single process, so any checkpoint exports on one CPU machine.
+    """
+    from mlplat.models import load_model, load_tokenizer
+    from mlplat.train.lora import LoRAConfig, apply_lora
+
+    directory = Path(directory)
+    if not (directory / META).is_file():
+        raise CheckpointError(f"{directory}: not an mlplat training checkpoint (no {META})")
+    meta = CheckpointMeta.model_validate_json((directory / META).read_text())
+    base = base_model or meta.base_model
+    model = load_model(base)
+    if meta.lora is not None:
+        model = apply_lora(model, LoRAConfig.model_validate(meta.lora))
+    if meta.format == "sharded":
+        state = {"model": get_model_state_dict(model)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DCP warns whenever it runs without a process group
+            dcp.load(state, storage_reader=dcp.FileSystemReader(directory / SHARDED_DIR), no_dist=True)
+        set_model_state_dict(model, state["model"])
+    else:
+        full = torch.load(directory / FULL_STATE, weights_only=True, map_location="cpu")
+        set_model_state_dict(model, full["model"], options=StateDictOptions(full_state_dict=True))
+    export_hf_model(Path(out_dir), model, load_tokenizer(base))
+    return Path(out_dir)

@@ -1,11 +1,13 @@
 """Where a training step's time goes, and how much of the hardware it uses (MFU).
 
 MFU = achieved model FLOP/s per device / the device's peak FLOP/s. Model FLOPs per
-token follow the PaLM / torchtitan estimate: 6 x (non-embedding parameters) for the
-matmuls of forward + backward, plus 12 x layers x hidden x sequence length for
+token follow the PaLM / torchtitan estimate: 6 x (parameters in matmuls: all but the
+input embedding, a lookup; the LM head counts even when it shares the embedding's
+weight) for forward + backward, plus 12 x layers x hidden x sequence length for
 attention scores and values. Peaks come from a table of dense bf16 datasheet figures
 (override with ``peak_tflops``); a CPU has no datasheet figure worth trusting, so its
-peak is measured with a large fp32 matmul on the worker itself.
+peak is measured with a large fp32 matmul, once, before anything else runs (a
+measurement taken beside the data pipeline measures the neighbours, not the CPU).
 """
 
 from __future__ import annotations
@@ -32,23 +34,30 @@ PEAK_TFLOPS_BF16 = {
 def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward) of an HF decoder-only model."""
     config = model.config
-    embedding = model.get_input_embeddings().weight.numel()
-    params = sum(p.numel() for p in model.parameters()) - embedding
+    embedding, lm_head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    params = sum(p.numel() for p in model.parameters() if p is not embedding)
+    if lm_head is embedding:  # tied: parameters() yields the shared weight once, but the head is still a matmul
+        params += lm_head.numel()
     return 6.0 * params + 12.0 * config.num_hidden_layers * config.hidden_size * seq_len
 
 
-def measure_cpu_peak_flops(size: int = 1024, trials: int = 10) -> float:
-    """FLOP/s of a square fp32 matmul on this process's threads: the CPU 'peak' for MFU.
+def measure_cpu_peak_flops(threads: int | None = None, size: int = 1024, trials: int = 10) -> float:
+    """FLOP/s of a square fp32 matmul on ``threads`` threads (default: this process's): the CPU 'peak' for MFU.
 
     The best of several trials: on a shared machine the slow ones measure the neighbours.
     """
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b  # warm up the BLAS threads
-    best = float("inf")
-    for _ in range(trials):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads or saved)
+    try:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        a @ b  # warm up the BLAS threads
+        best = float("inf")
+        for _ in range(trials):
+            start = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(saved)
     return 2.0 * size**3 / best
 
 
