@@ -9,7 +9,6 @@ import path for `serve run` and Serve config YAMLs (``args`` holds ServeConfig f
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from ray import serve
@@ -18,8 +17,9 @@ from ray.serve.config import RequestRouterConfig
 
 from mlplat.config import validate
 from mlplat.engine import EngineConfig
+from mlplat.serve.auth import build_gatekeeper
 from mlplat.serve.config import ReplicaConfig, ServeConfig
-from mlplat.serve.ingress import OpenAIIngress, hash_key
+from mlplat.serve.ingress import OpenAIIngress
 from mlplat.serve.routing import FreeKVRouter, PrefixAwareRouter
 from mlplat.serve.servers import EngineServer
 from mlplat.tracking import parse_model_uri, resolve_model
@@ -33,7 +33,7 @@ def _served_name(cfg: ServeConfig, model_dir: Path) -> str:
 
 def _options(replicas: ReplicaConfig, name: str) -> dict:
     return {"name": name, "num_replicas": replicas.num_replicas,
-            "ray_actor_options": {"num_cpus": replicas.num_cpus, "num_gpus": replicas.num_gpus}}
+            "ray_actor_options": {"num_cpus": replicas.num_cpus, "num_gpus": replicas.num_gpus, "resources": replicas.resources}}
 
 
 def build_app(cfg: ServeConfig) -> Application:
@@ -42,14 +42,13 @@ def build_app(cfg: ServeConfig) -> Application:
     from transformers import AutoConfig
 
     max_model_len = engine_cfg.max_model_len or AutoConfig.from_pretrained(model_dir, local_files_only=True).max_position_embeddings
-    keys = [k.strip() for k in os.environ.get(cfg.api_keys_env, "").split(",") if k.strip()]
     common = dict(
         model_dir=str(model_dir),
         model_name=_served_name(cfg, model_dir),
         mode=cfg.mode,
         default_max_tokens=cfg.default_max_tokens,
         max_model_len=max_model_len,
-        api_key_hashes=[hash_key(k) for k in keys],  # only hashes travel in deployment args
+        gate=build_gatekeeper(cfg.auth, cfg.ingress.num_replicas),  # holds key hashes only, never keys
     )
     engine_args = engine_cfg.model_dump(mode="json")
     ingress = OpenAIIngress.options(**_options(cfg.ingress, "ingress"))

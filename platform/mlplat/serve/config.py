@@ -7,12 +7,14 @@ from typing import Any, Literal
 from pydantic import Field
 
 from mlplat.config import Config
+from mlplat.serve.auth import AuthConfig
 
 
 class ReplicaConfig(Config):
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict)  # custom Ray resources, e.g. {prefill: 1} to pin replicas to a node group
 
 
 class ServeConfig(Config):
@@ -25,6 +27,6 @@ class ServeConfig(Config):
     colocated: ReplicaConfig = ReplicaConfig()
     ingress: ReplicaConfig = ReplicaConfig(num_cpus=0.5)
     default_max_tokens: int = Field(256, ge=1)
-    api_keys_env: str = "MLPLAT_API_KEYS"  # comma-separated keys; unset or empty: no auth
+    auth: AuthConfig = AuthConfig()  # API keys (tenant:key in $MLPLAT_API_KEYS) and per-tenant rate limits
     app_name: str = "mlplat-llm"
     route_prefix: str = "/"

@@ -8,8 +8,6 @@ through the object store between them and never through this process.
 
 
 import asyncio
-import hashlib
-import hmac
 import json
 from collections.abc import AsyncIterator
 
@@ -20,6 +18,7 @@ from ray import serve
 
 from mlplat.engine.scheduler import QueueFullError
 from mlplat.models.checkpoint import load_tokenizer
+from mlplat.serve.auth import Denied, Gatekeeper
 from mlplat.serve.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body, new_id, now
 
 app = FastAPI(title="mlplat OpenAI-compatible API")
@@ -47,10 +46,6 @@ async def _validation_error(_: Request, err: RequestValidationError):
 
 def sse_event(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
-
-
-def hash_key(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
 
 
 def _cause(err: BaseException) -> BaseException:
@@ -84,11 +79,11 @@ class Detokenizer:
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(self, model_dir: str, model_name: str, mode: str, default_max_tokens: int, max_model_len: int,
-                 api_key_hashes: list[str], llm=None, prefill=None, decode=None):
+                 gate: Gatekeeper, llm=None, prefill=None, decode=None):
         self.tokenizer = load_tokenizer(model_dir)
         self.model_name, self.mode = model_name, mode
         self.default_max_tokens, self.max_model_len = default_max_tokens, max_model_len
-        self.api_key_hashes = api_key_hashes
+        self.gate = gate
         self.llm, self.prefill, self.decode = llm, prefill, decode
 
     # -- routes -------------------------------------------------------------------------------
@@ -114,13 +109,13 @@ class OpenAIIngress:
         return await self._respond(body, prompt_ids, chat=True, logprobs=body.logprobs)
 
     # -- helpers --------------------------------------------------------------------------------
-    def _authorize(self, request: Request) -> None:
-        if not self.api_key_hashes:
-            return
-        header = request.headers.get("authorization", "")
-        key = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
-        if not key or not any(hmac.compare_digest(hash_key(key), h) for h in self.api_key_hashes):
-            raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)", code="invalid_api_key")
+    def _authorize(self, request: Request) -> str:
+        """The caller's tenant; 401 without a valid key, 429 over the tenant's rate limit."""
+        try:
+            return self.gate.admit(request.headers.get("authorization"))
+        except Denied as d:
+            headers = {"Retry-After": str(d.retry_after_s)} if d.retry_after_s else None
+            raise APIError(d.status, d.message, code=d.code, headers=headers) from None
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:

@@ -1,0 +1,101 @@
+"""``mlplat run``, ``mlplat submit`` and ``mlplat jobs``: the pipeline part of the ``mlplat`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from datetime import datetime
+
+COMMANDS = ("run", "submit", "jobs")
+
+
+def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="a .py file defining a @pipeline, e.g. pipelines/quickstart.py")
+    p.add_argument("--pipeline", help="which @pipeline, when the file defines several")
+    p.add_argument("--param", dest="params", action="append", default=[], metavar="KEY=VALUE",
+                   help="a pipeline parameter (YAML value; cfg.max_steps=50 reaches into a config parameter); repeatable")
+    p.add_argument("--no-cache", action="store_true", help="run every step, even those with a cached result")
+
+
+def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", help="Ray Jobs API, e.g. http://HEAD:8265 (default: RAY_ADDRESS if http, else http://127.0.0.1:8265)")
+    p.add_argument("--auth-token-file", help="Ray auth token file (default: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, "
+                   "or ~/.ray/auth_token with RAY_AUTH_MODE=token)")
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("run", help="run a pipeline on a local Ray cluster (or --address)")
+    _add_pipeline_args(p)
+    p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else start a local cluster)")
+    p.add_argument("--namespace", help="Ray namespace for the run (set by submit --tenant)")
+    p.add_argument("--workdir", help="scratch directory for step files (default: outputs/pipelines/NAME)")
+
+    p = sub.add_parser("submit", help="run a pipeline as a Ray job on a cluster (Jobs API)")
+    _add_pipeline_args(p)
+    _add_cluster_args(p)
+    p.add_argument("--follow", action="store_true", help="stream the job's logs until it ends; fail if it fails")
+    p.add_argument("--working-dir", default=".", help="project directory uploaded as the job's working_dir (default: .)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="environment variable for the job; repeatable")
+    p.add_argument("--tenant", help="run in this tenant's namespace, within its quota (see --tenants-file)")
+    p.add_argument("--tenants-file", help="tenants and quotas (default: MLPLAT_TENANTS_FILE, else cluster_configs/tenants.yaml)")
+    p.add_argument("--entrypoint-num-cpus", type=float, help="CPUs reserved for the job's driver")
+    p.add_argument("--entrypoint-num-gpus", type=float, help="GPUs reserved for the job's driver")
+
+    jobs = sub.add_parser("jobs", help="Ray jobs on a cluster").add_subparsers(dest="jobs_command", required=True, metavar="ACTION")
+    p = jobs.add_parser("list", help="jobs with their status and tenant")
+    _add_cluster_args(p)
+    p.add_argument("--tenant", help="only this tenant's jobs")
+    p = jobs.add_parser("logs", help="a job's logs")
+    p.add_argument("job_id")
+    _add_cluster_args(p)
+    p.add_argument("--follow", action="store_true", help="stream until the job ends")
+    p = jobs.add_parser("stop", help="stop a job")
+    p.add_argument("job_id")
+    _add_cluster_args(p)
+
+
+def run_command(args: argparse.Namespace) -> None:
+    if args.command == "run":
+        from mlplat.pipeline.artifacts import to_json
+        from mlplat.pipeline.loader import load_pipeline
+
+        result = load_pipeline(args.file, args.pipeline).run(
+            overrides=args.params, use_cache=not args.no_cache, address=args.address, namespace=args.namespace, workdir=args.workdir
+        )
+        print(json.dumps({"run_id": result.run_id, "experiment": result.experiment, "outputs": to_json(result.outputs)}, indent=2))
+        return
+
+    from mlplat.pipeline.jobs import Jobs, submit_pipeline
+
+    if args.command == "submit":
+        submit_pipeline(
+            args.file,
+            address=args.address,
+            pipeline_name=args.pipeline,
+            overrides=args.params,
+            use_cache=not args.no_cache,
+            working_dir=args.working_dir,
+            env=args.env,
+            tenant=args.tenant,
+            tenants_file=args.tenants_file,
+            entrypoint_num_cpus=args.entrypoint_num_cpus,
+            entrypoint_num_gpus=args.entrypoint_num_gpus,
+            token_file=args.auth_token_file,
+            follow=args.follow,
+        )
+        return
+    jobs = Jobs(args.address, args.auth_token_file)
+    if args.jobs_command == "list":
+        print(f"{'SUBMISSION ID':<40} {'STATUS':<10} {'TENANT':<12} {'STARTED':<19} ENTRYPOINT")
+        for job in jobs.list(args.tenant):
+            started = datetime.fromtimestamp(job.start_time / 1000).strftime("%Y-%m-%d %H:%M:%S") if job.start_time else "-"
+            tenant = (job.metadata or {}).get("mlplat.tenant", "-")
+            print(f"{job.submission_id or job.job_id or '-':<40} {job.status.value:<10} {tenant:<12} {started:<19} {job.entrypoint}")
+    elif args.jobs_command == "logs":
+        if args.follow:
+            jobs.follow(args.job_id)
+        else:
+            print(jobs.logs(args.job_id), end="")
+    elif args.jobs_command == "stop":
+        stopped = jobs.stop(args.job_id)
+        print(f"stopping job {args.job_id}" if stopped else f"job {args.job_id} was not running ({jobs.status(args.job_id).lower()})")
