@@ -1,0 +1,9 @@
+"""Cluster health: node acceptance benchmarks, and slow- and hung-rank detection during training.
+
+- ``check``: ``mlplat health check`` -- benchmarks pinned to every node, an all-reduce across them,
+  verdicts against a hardware profile (``cluster_configs/hardware/``) and the cluster's median
+- ``marking``: failing nodes quarantined (reversibly) so that opted-in jobs avoid them
+- ``straggler``: flags a rank slower than the others for K consecutive log windows
+- ``hang``: a watchdog that dumps every thread's stack and fails the job when steps stop
+- ``training``: the above wired for a Ray Train loop (``health:`` and ``debug:`` sections of a recipe)
+"""
