@@ -75,18 +75,24 @@ def test_cli_bad_arguments_are_usage_errors():
     assert out.returncode == 2 and "invalid choice" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_readme_sft_configs_validate():
-    """Every SFT YAML example in the README is a valid SFTConfig (docs that cannot drift)."""
+def test_readme_recipe_configs_validate():
+    """Every recipe YAML example in the README validates as its recipe's config (docs that cannot drift).
+
+    A block is a GRPO config when it says so in its first line (``# grpo.yaml``), else SFT."""
     import re
 
     import yaml
     from conftest import REPO_ROOT
 
-    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", (REPO_ROOT / "README.md").read_text(), re.S)]
-    sft = [b for b in blocks if "model" in b and "data" in b]
-    assert len(sft) >= 2
-    strategies = {SFTConfig.model_validate(b).parallel.strategy for b in sft}
-    assert strategies == {"ddp", "fsdp"}
+    from train_apps.grpo import GRPOConfig
+
+    texts = re.findall(r"```yaml\n(.*?)```", (REPO_ROOT / "README.md").read_text(), re.S)
+    recipes = [(t, yaml.safe_load(t)) for t in texts]
+    recipes = [(t, b) for t, b in recipes if isinstance(b, dict) and "model" in b and "data" in b]
+    grpo = [GRPOConfig.model_validate(b) for t, b in recipes if t.startswith("# grpo.yaml")]
+    sft = [SFTConfig.model_validate(b) for t, b in recipes if not t.startswith("# grpo.yaml")]
+    assert len(grpo) >= 1 and len(sft) >= 2
+    assert {c.parallel.strategy for c in sft} == {"ddp", "fsdp"}
 
 
 @pytest.mark.parametrize(

@@ -54,6 +54,9 @@ def test_sft_on_two_workers_improves_loss_and_registers(ray_cluster, tracking_ur
     assert run.data.metrics["data/tokens"] > 60 * 32 * 10  # cumulative, all ranks
     assert len(run.data.tags["mlplat.data.fingerprint"]) == 16 and run.data.tags["mlplat.checkpoint.latest"] == result.checkpoint_path
     assert run.data.metrics["data.bad_rows"] == 0
+    # Straggler detection ran every window and, with no slow rank, flagged nothing (tests/test_health_sft.py injects one).
+    assert [m.value for m in client.get_metric_history(result.run_id, "health/stragglers")] == [0.0] * 6
+    assert not any(key.startswith("mlplat.health") for key in run.data.tags)
     assert result.model_version.uri == "models:/test-sft-model/1"
     assert str(client.get_model_version_by_alias("test-sft-model", "candidate").version) == "1"
     version = client.get_model_version("test-sft-model", "1")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,6 +42,8 @@ from mlplat.config import Config, to_flat_params
 from mlplat.data.loader import ShardLoader, deterministic_data_config
 from mlplat.data.sft import DataReport, PadCollate, SFTDataConfig, prepare_sft_dataset
 from mlplat.errors import CheckpointError, ConfigError
+from mlplat.health.marking import accepted_worker_resources
+from mlplat.health.training import FaultInjection, RankHealth, TrainingHealthConfig
 from mlplat.models import load_model, load_tokenizer
 from mlplat.runtime import init_ray
 from mlplat.tracking import ModelRef, RunLogger, register_model_dir, resolve_model, start_run
@@ -51,6 +52,7 @@ from mlplat.train.lora import LoRAConfig, apply_lora
 from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer
 from mlplat.train.parallel import ParallelConfig, parallelize, unwrap
 from mlplat.train.perf import PhaseTimer, flops_per_token, measure_cpu_peak_flops, peak_flops
+from mlplat.train.recipe import git_commit
 from mlplat.train.step import StepStats, train_step
 
 
@@ -84,6 +86,8 @@ class SFTConfig(Config):
     run_name: str | None = None
     registered_model: str | None = "sft-model"  # None: log the model but do not register it
     registered_alias: str | None = "candidate"
+    health: TrainingHealthConfig = TrainingHealthConfig()  # straggler and hang detection; accepted nodes only (mlplat.health)
+    debug: FaultInjection = FaultInjection()  # test hooks: a slow or a hung rank, to exercise the detectors
 
     @model_validator(mode="after")
     def _checks(self):
@@ -112,14 +116,16 @@ def train_loop_per_worker(config: dict) -> None:
     monitor = SystemMetricsMonitor(config["run_id"], tracking_uri=config["tracking_uri"]) if rank == 0 else None
     if monitor:
         monitor.start()  # MLflow's system/* metrics (CPU, memory, GPU) of rank 0's node
+    health = RankHealth(cfg.health, cfg.debug, config["run_id"], config["tracking_uri"], ray.train.torch.get_device(), logger)
     try:
-        _train(cfg, config, rank, world_size, logger)
+        _train(cfg, config, rank, world_size, logger, health)
     finally:
+        health.close()
         if monitor:
             monitor.finish()
 
 
-def _train(cfg: SFTConfig, config: dict, rank: int, world_size: int, logger: RunLogger | None) -> None:
+def _train(cfg: SFTConfig, config: dict, rank: int, world_size: int, logger: RunLogger | None, health: RankHealth) -> None:
     torch.manual_seed(cfg.seed)
     if not cfg.use_gpu:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -156,6 +162,7 @@ def _train(cfg: SFTConfig, config: dict, rank: int, world_size: int, logger: Run
     while state.step < cfg.max_steps:
         step_start = time.perf_counter()
         with timer.phase("data_wait"):
+            health.inject_faults(state.step + 1)
             micro_batches = [{k: v.to(device) for k, v in loader.next().items()} for _ in range(cfg.grad_accum_steps)]
         stats = train_step(model, micro_batches, optimizer, scheduler, cfg.optim.grad_clip, bf16, timer)
         state.step += 1
@@ -172,6 +179,7 @@ def _train(cfg: SFTConfig, config: dict, rank: int, world_size: int, logger: Run
             window.time_to_first_step_s = time.time() - config["job_start_time"]
         if state.step % cfg.log_every == 0 or state.step == cfg.max_steps:
             metrics = {"lr": scheduler.get_last_lr()[0], "skipped_steps": state.skipped_steps, "epoch": state.data.epoch, **window.metrics()}
+            metrics |= health.end_window(metrics)  # per-rank local step times compared; may stop a job with a straggler
             if logger:
                 logger.log_metrics(metrics, step=state.step)
             gauges.set(metrics)
@@ -179,6 +187,7 @@ def _train(cfg: SFTConfig, config: dict, rank: int, world_size: int, logger: Run
             save = state.step % cfg.checkpoint_every == 0 or last
             _report({"step": state.step, **metrics}, save, meta, model, optimizer, scheduler, state, tokenizer, export_hf=cfg.checkpoint_hf or last)
             window = window.next()
+        health.step_done()
 
 
 class _Window:
@@ -267,14 +276,6 @@ def _report(metrics, save: bool, meta: CheckpointMeta, model, optimizer, schedul
         ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp) if any(Path(tmp).iterdir()) else None)
 
 
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
-
-
 def run_sft(cfg: SFTConfig, tracking_uri: str | None = None, work_dir: str | Path = "outputs") -> SFTResult:
     """Run the recipe on the connected Ray cluster (``ray.init()`` is called if needed)."""
     from mlplat.tracking.runs import default_tracking_uri
@@ -295,7 +296,7 @@ def run_sft(cfg: SFTConfig, tracking_uri: str | None = None, work_dir: str | Pat
     peak_tflops = cfg.peak_tflops or (None if cfg.use_gpu else measure_cpu_peak_flops(threads=1) / 1e12)
     init_ray(num_training_workers=cfg.num_workers)
     tags = {"mlplat.recipe": "sft", "mlplat.resumed_from": cfg.resume_from or ""}
-    if commit := _git_commit():
+    if commit := git_commit():
         tags["mlflow.source.git.commit"] = commit
     if peak_tflops:
         tags["mlplat.mfu.peak_tflops_per_worker"] = f"{peak_tflops:.4g}"
@@ -321,7 +322,11 @@ def run_sft(cfg: SFTConfig, tracking_uri: str | None = None, work_dir: str | Pat
                 "job_start_time": job_start_time,
                 "peak_tflops": peak_tflops,
             },
-            scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu),
+            scaling_config=ScalingConfig(
+                num_workers=cfg.num_workers,
+                use_gpu=cfg.use_gpu,
+                resources_per_worker=accepted_worker_resources(cfg.use_gpu) if cfg.health.accepted_nodes_only else None,
+            ),
             datasets={"train": dataset},
             dataset_config=deterministic_data_config() if cfg.deterministic_data else None,
             run_config=RunConfig(

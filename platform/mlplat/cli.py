@@ -9,6 +9,14 @@ from pathlib import Path
 
 from mlplat.errors import MlplatError
 
+# train_apps/<recipe>.py: (help, its config class, its run function).
+RECIPES = {
+    "sft": ("supervised fine-tuning on Ray Train (train_apps/sft.py)", "SFTConfig", "run_sft"),
+    "reward_model": ("reward model on preference pairs, Bradley-Terry (train_apps/reward_model.py)", "RewardModelConfig", "run_reward_model"),
+    "dpo": ("direct preference optimization against a frozen reference (train_apps/dpo.py)", "DPOConfig", "run_dpo"),
+    "grpo": ("GRPO with rollout actors on the native engine (train_apps/grpo.py)", "GRPOConfig", "run_grpo"),
+}
+
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML config file")
@@ -42,9 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("uri")
 
     train = sub.add_parser("train", help="training recipes").add_subparsers(dest="recipe", required=True, metavar="RECIPE")
-    p = train.add_parser("sft", help="supervised fine-tuning on Ray Train (train_apps/sft.py)")
-    _add_config_args(p)
-    p.add_argument("--address", help="Ray cluster address (default: start a local one)")
+    for name, (help_text, _, _) in RECIPES.items():
+        p = train.add_parser(name, help=help_text)
+        _add_config_args(p)
+        p.add_argument("--address", help="Ray cluster address (default: start a local one)")
 
     p = sub.add_parser("serve", help="serve a model over the OpenAI API on Ray Serve (PD-disaggregated or colocated)")
     _add_config_args(p)
@@ -54,6 +63,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="HF checkpoint directory or models:/NAME/VERSION|@ALIAS")
     p.add_argument("--data", required=True, help="eval JSONL with 'messages' and 'answer'")
     p.add_argument("--limit", type=int, help="evaluate only the first N rows")
+
+    from mlplat.pipeline.cli import add_commands as add_pipeline_commands
+
+    add_pipeline_commands(sub)  # run, submit, jobs
+
+    from mlplat.cluster.cli import add_commands as add_cluster_commands
+
+    add_cluster_commands(sub)  # cluster render, cluster validate
+
+    from mlplat.health.cli import add_commands as add_health_commands
+
+    add_health_commands(sub)  # health check, health nodes, health unmark
     return parser
 
 
@@ -85,13 +106,15 @@ def _run(args: argparse.Namespace) -> None:
 
         print(resolve_model(args.uri))
     elif args.command == "train":
-        from mlplat.runtime import init_ray
-        from train_apps.sft import SFTConfig, run_sft
+        import importlib
 
-        cfg = load_config(SFTConfig, args.config, args.overrides)
+        from mlplat.runtime import init_ray
+
+        recipe = importlib.import_module(f"train_apps.{args.recipe}")
+        _, config_class, run = RECIPES[args.recipe]
+        cfg = load_config(getattr(recipe, config_class), args.config, args.overrides)
         init_ray(args.address, cfg.num_workers)
-        result = run_sft(cfg)
-        print(result.model_dump_json(indent=2))
+        print(getattr(recipe, run)(cfg).model_dump_json(indent=2))
     elif args.command == "serve":
         import time
 
@@ -115,6 +138,18 @@ def _run(args: argparse.Namespace) -> None:
 
         result = evaluate_exact_match(resolve_model(args.model), args.data, limit=args.limit)
         print(result.model_dump_json(indent=2))
+    elif args.command in ("run", "submit", "jobs"):
+        from mlplat.pipeline.cli import run_command
+
+        run_command(args)
+    elif args.command == "cluster":
+        from mlplat.cluster.cli import run_command as run_cluster_command
+
+        run_cluster_command(args)
+    elif args.command == "health":
+        from mlplat.health.cli import run_command as run_health_command
+
+        run_health_command(args)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,6 +11,7 @@ Splits (JSONL, one object per line):
 - ``sft.jsonl``: ``{"messages": [user, assistant]}``
 - ``eval.jsonl``: ``{"messages": [user], "answer": "975"}``, held out from every other split
 - ``preferences.jsonl``: ``{"prompt": [user], "chosen": [assistant], "rejected": [assistant]}``
+- ``preferences_eval.jsonl``: the same, on the held-out eval problems (reward model accuracy, DPO margins)
 - ``rl_prompts.jsonl``: ``{"messages": [user], "answer": "975"}``
 """
 
@@ -41,6 +42,7 @@ class DemoDataPaths(BaseModel):
     sft: Path
     eval: Path
     preferences: Path
+    preferences_eval: Path
     rl_prompts: Path
 
 
@@ -82,18 +84,19 @@ def _assistant(text: str) -> dict:
 
 
 def write_demo_data(out_dir: str | Path, cfg: DemoDataConfig = DemoDataConfig()) -> DemoDataPaths:
-    """Write the four splits to ``out_dir``; the same config always writes the same bytes."""
+    """Write the five splits to ``out_dir``; the same config always writes the same bytes."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(cfg.seed)
 
     held_out: set[tuple[int, int]] = set()
-    eval_rows = []
-    while len(eval_rows) < cfg.eval_rows:
+    eval_problems: list[tuple[int, int]] = []
+    while len(eval_problems) < cfg.eval_rows:
         a, b = _operand(rng, cfg.max_digits), _operand(rng, cfg.max_digits)
         if (a, b) not in held_out:
             held_out.add((a, b))
-            eval_rows.append({"messages": [_user(a, b)], "answer": reversed_sum(a, b)})
+            eval_problems.append((a, b))
+    eval_rows = [{"messages": [_user(a, b)], "answer": reversed_sum(a, b)} for a, b in eval_problems]
 
     def training_problems(n: int) -> list[tuple[int, int]]:
         problems = []
@@ -109,14 +112,21 @@ def write_demo_data(out_dir: str | Path, cfg: DemoDataConfig = DemoDataConfig())
         for a, b in training_problems(cfg.preference_rows)
     ]
     rl_rows = [{"messages": [_user(a, b)], "answer": reversed_sum(a, b)} for a, b in training_problems(cfg.rl_rows)]
+    eval_rng = random.Random(cfg.seed + 1)  # its own stream: the other splits' bytes do not depend on this one
+    preference_eval_rows = [
+        {"prompt": [_user(a, b)], "chosen": [_assistant(reversed_sum(a, b))], "rejected": [_assistant(_wrong_answer(eval_rng, a, b))]}
+        for a, b in eval_problems
+    ]
 
     paths = DemoDataPaths(
         sft=out_dir / "sft.jsonl",
         eval=out_dir / "eval.jsonl",
         preferences=out_dir / "preferences.jsonl",
+        preferences_eval=out_dir / "preferences_eval.jsonl",
         rl_prompts=out_dir / "rl_prompts.jsonl",
     )
-    for path, rows in [(paths.sft, sft_rows), (paths.eval, eval_rows), (paths.preferences, preference_rows), (paths.rl_prompts, rl_rows)]:
+    for path, rows in [(paths.sft, sft_rows), (paths.eval, eval_rows), (paths.preferences, preference_rows),
+                       (paths.preferences_eval, preference_eval_rows), (paths.rl_prompts, rl_rows)]:
         with open(path, "w") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")

@@ -34,6 +34,9 @@ class CompletionOutput:
     text: str
     finish_reason: str | None
     logprobs: list[float] | None = None
+    # Every sampled token, the stop token included, with its log-prob: what an RL trainer scores.
+    sampled_token_ids: list[int] = field(default_factory=list)
+    sampled_logprobs: list[float] | None = None
 
 
 @dataclass
@@ -219,8 +222,13 @@ class LLMEngine:
             if cut is not None:
                 text = text[:cut]
             out.outputs.append(
-                CompletionOutput(seq.sample_index, ids, text, seq.finish_reason, seq.output_logprobs[: len(ids)] if seq.params.logprobs else None)
-            )
+                CompletionOutput(
+                    seq.sample_index, ids, text, seq.finish_reason,
+                    logprobs=seq.output_logprobs[: len(ids)] if seq.params.logprobs else None,
+                    sampled_token_ids=list(seq.output_token_ids),
+                    sampled_logprobs=list(seq.output_logprobs) if seq.params.logprobs else None,
+                )
+            )  # fmt: skip
         return out
 
     def generate(self, prompts: Iterable[str | list[int]], params: SamplingParams = SamplingParams()) -> list[RequestOutput]:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from mlplat.errors import CheckpointError
 
@@ -51,3 +52,29 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     path = validate_checkpoint_dir(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     return model.to(device)
+
+
+def load_reward_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> PreTrainedModel:
+    """A scalar-head model (``*ForSequenceClassification``, one label) from a reward model or a causal-LM checkpoint.
+
+    From a causal LM the head is new (randomly initialised) and the LM head is dropped.
+    The score is read at each row's last non-pad token, so the config must know the pad id.
+    """
+    path = validate_checkpoint_dir(path)
+    with _quiet_transformers():  # "newly initialised weights: score.weight" is the point, not a warning
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype, local_files_only=True)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = load_tokenizer(path).pad_token_id
+    return model.to(device)
+
+
+@contextmanager
+def _quiet_transformers():
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)

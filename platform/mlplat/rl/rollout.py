@@ -1,0 +1,77 @@
+"""Rollout actors: the native engine generating G samples per prompt, with log-probs, for RL.
+
+A ``RolloutWorker`` is a Ray actor holding one ``LLMEngine``. Trainers send it chats and
+get back token ids with the log-prob of every sampled token (stop token included), and
+push new weights into it in place (``update_weights``) after each policy update: on CPU
+through the object store (one ``ray.put`` of the state dict, read by every actor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ray
+import torch
+from pydantic import Field
+
+from mlplat.config import Config
+from mlplat.engine import EngineConfig, LLMEngine, SamplingParams
+
+
+class RolloutConfig(Config):
+    num_workers: int = Field(default=1, ge=1)  # rollout actors; training rank r uses actor r % num_workers
+    num_cpus: float = Field(default=1, gt=0)  # per actor
+    num_gpus: float = Field(default=0, ge=0)  # per actor; 0 on CPU
+    device: str = "cpu"
+    dtype: str = "float32"
+    kv_cache_memory_gb: float = Field(default=0.25, gt=0)
+    max_num_seqs: int = Field(default=256, ge=1)
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]
+    completion_ids: list[int]  # every sampled token, the stop token included
+    logprobs: list[float]  # the engine's log-prob of each completion token (raw distribution)
+    text: str  # the completion without its stop token
+    finish_reason: str | None
+
+
+class RolloutWorker:
+    """One engine; use as a Ray actor: ``ray.remote(RolloutWorker).options(...).remote(model_dir, cfg)``."""
+
+    def __init__(self, model_dir: str, cfg: dict):
+        cfg = RolloutConfig.model_validate(cfg)
+        self.engine = LLMEngine(
+            EngineConfig(model=model_dir, device=cfg.device, dtype=cfg.dtype, kv_cache_memory_gb=cfg.kv_cache_memory_gb, max_num_seqs=cfg.max_num_seqs)
+        )
+        self.tokenizer = self.engine.tokenizer
+
+    def prompt_ids(self, conversation: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def generate(self, conversations: list[list[dict]], params: dict) -> list[Sample]:
+        """``n`` samples per conversation, grouped consecutively (all of prompt 0's, then prompt 1's...)."""
+        params = SamplingParams.model_validate({**params, "logprobs": True})
+        prompts = [self.prompt_ids(c) for c in conversations]
+        samples = []
+        for prompt, out in zip(prompts, self.engine.generate(prompts, params)):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                samples.append(Sample(prompt, c.sampled_token_ids, c.sampled_logprobs, c.text, c.finish_reason))
+        return samples
+
+    def update_weights(self, state: dict[str, torch.Tensor]) -> int:
+        """Load HF-named weights in place (the trainer's policy after an update)."""
+        return self.engine.update_weights(state)
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        """Log-prob of each token after the first given the ones before it (parity checks)."""
+        return self.engine.score(token_ids)
+
+
+def start_rollout_workers(model_dir: str, cfg: RolloutConfig) -> list:
+    actor = ray.remote(RolloutWorker).options(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus)
+    workers = [actor.remote(model_dir, cfg.model_dump()) for _ in range(cfg.num_workers)]
+    ray.get([w.__ray_ready__.remote() for w in workers])  # fail here, not on the first rollout, if one cannot start
+    return workers

@@ -1,0 +1,196 @@
+"""What every post-training recipe (reward model, DPO, GRPO) shares: its config fields, the
+MLflow run around the Ray Train job, the job itself, and the final model's registration.
+
+A recipe in ``train_apps/`` supplies its loop per worker and its datasets; this module
+does the plumbing the same way for all of them, so they read like their algorithm box.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+import ray
+import ray.train
+import torch
+from pydantic import Field
+from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+from mlplat.config import Config, to_flat_params
+from mlplat.data.ingest import DataReport
+from mlplat.data.loader import deterministic_data_config
+from mlplat.runtime import init_ray
+from mlplat.tracking import ModelRef, RunLogger, register_model_dir, resolve_model, start_run
+from mlplat.tracking.runs import default_tracking_uri
+from mlplat.train.checkpoint import MODEL_DIR, TrainState, load_checkpoint, save_checkpoint
+from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer
+from mlplat.train.parallel import ParallelConfig, parallelize
+
+
+class RecipeConfig(Config):
+    model: str  # local HF checkpoint directory or models:/NAME/VERSION|@ALIAS
+    optim: OptimizerConfig = OptimizerConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    max_steps: int = Field(default=200, gt=0)
+    batch_size_per_worker: int = Field(default=16, gt=0)
+    num_workers: int = Field(default=2, gt=0)
+    use_gpu: bool = False
+    bf16: bool = True  # autocast to bf16 on GPU; CPU trains in fp32
+    log_every: int = Field(default=10, gt=0)
+    checkpoint_every: int = Field(default=100, gt=0)
+    num_checkpoints_to_keep: int | None = 2
+    max_failures: int = Field(default=0, ge=-1)  # restarts from the last checkpoint after a worker dies
+    seed: int = 0
+    storage_path: str = "outputs/ray_train"
+    experiment: str = "mlplat-posttrain"
+    run_name: str | None = None
+    registered_model: str | None = None  # None: log the model but do not register it
+    registered_alias: str | None = "candidate"
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+class RecipeRun:
+    """One recipe run: its MLflow run (parent of every metric), resolved model and Ray Train job."""
+
+    def __init__(self, recipe: str, cfg: RecipeConfig, tracking_uri: str | None, work_dir: str | Path):
+        self.recipe, self.cfg = recipe, cfg
+        self.tracking_uri = tracking_uri or default_tracking_uri()
+        self.work_dir = Path(work_dir)
+        self.model_dir = resolve_model(cfg.model, download_dir=self.work_dir / "downloads", tracking_uri=self.tracking_uri)
+        init_ray(num_training_workers=cfg.num_workers)
+        tags = {"mlplat.recipe": recipe, "mlplat.base_model": cfg.model}
+        if commit := git_commit():
+            tags["mlflow.source.git.commit"] = commit
+        self.run_id = start_run(cfg.experiment, cfg.run_name, params=to_flat_params(cfg), tags=tags, tracking_uri=self.tracking_uri)
+        self.logger = RunLogger(self.run_id, self.tracking_uri)
+
+    @contextmanager
+    def tracked(self):
+        """The body of a run: its MLflow run ends FINISHED, or FAILED if the body raises."""
+        try:
+            yield self
+        except BaseException:
+            self.logger.end("FAILED")
+            raise
+        self.logger.end()
+
+    def log_data_report(self, report: DataReport) -> None:
+        self.logger.set_tags({"mlplat.data.fingerprint": report.fingerprint})
+        self.logger.log_metrics({"data.rows_read": report.rows_read, "data.bad_rows": report.bad_rows})
+
+    def loop_config(self, **extra) -> dict:
+        """What every worker gets: the recipe config, where to log, and the resolved model."""
+        return {
+            "cfg": self.cfg.model_dump(mode="json"),
+            "run_id": self.run_id,
+            "tracking_uri": self.tracking_uri,
+            "model_dir": str(self.model_dir),
+            **extra,
+        }
+
+    def fit(self, train_loop: Callable[[dict], None], loop_config: dict, datasets: dict) -> ray.train.Result:
+        cfg = self.cfg
+        storage = str(Path(cfg.storage_path).resolve()) if "://" not in cfg.storage_path else cfg.storage_path
+        trainer = TorchTrainer(
+            train_loop,
+            train_loop_config=loop_config,
+            scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu),
+            datasets=datasets,
+            dataset_config=deterministic_data_config(),
+            run_config=RunConfig(
+                name=f"{self.recipe}-{self.run_id}",
+                storage_path=storage,
+                failure_config=FailureConfig(max_failures=cfg.max_failures),
+                checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep),
+            ),
+        )
+        return trainer.fit()
+
+    def finish(self, result: ray.train.Result) -> tuple[Path, ModelRef | None]:
+        """Copy the final HF model out of the last checkpoint; register it (or log it) in MLflow."""
+        final_dir = self.work_dir / self.run_id / "final"
+        with result.checkpoint.as_directory() as ckpt:
+            shutil.copytree(Path(ckpt) / MODEL_DIR, final_dir, dirs_exist_ok=True)
+        self.logger.set_tags({"mlplat.checkpoint.latest": result.checkpoint.path})
+        version = None
+        if self.cfg.registered_model:
+            version = register_model_dir(self.run_id, final_dir, self.cfg.registered_model, self.cfg.registered_alias, self.tracking_uri)
+        else:
+            self.logger.log_artifacts(final_dir, "model")
+        return final_dir, version
+
+
+def report(metrics: dict, checkpoint: tuple | None = None) -> None:
+    """``ray.train.report`` from every rank; ``checkpoint=(model, optimizer, scheduler, state, meta, tokenizer)``
+    writes this rank's part of a checkpoint (with the servable HF export) first."""
+    if checkpoint is None:
+        ray.train.report(metrics)
+        return
+    model, optimizer, scheduler, state, meta, tokenizer = checkpoint
+    with tempfile.TemporaryDirectory() as tmp:
+        save_checkpoint(Path(tmp), model, optimizer, scheduler, state, meta, tokenizer, export_hf=True)
+        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp) if any(Path(tmp).iterdir()) else None)
+
+
+def trainable(model: torch.nn.Module, cfg: RecipeConfig, device: torch.device):
+    """(model, optimizer, scheduler, state): parallelized, and restored from this run's last checkpoint after a restart."""
+    model = parallelize(model, cfg.parallel, device)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.max_steps)
+    state = TrainState()
+    if checkpoint := ray.train.get_checkpoint():
+        with checkpoint.as_directory() as ckpt:
+            state = load_checkpoint(Path(ckpt), model, optimizer, scheduler)
+    return model, optimizer, scheduler, state
+
+
+def worker_setup(cfg: RecipeConfig) -> torch.device:
+    """Seed, CPU threads as Ray allotted them, and this worker's device."""
+    torch.manual_seed(cfg.seed)
+    if not cfg.use_gpu:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    return ray.train.torch.get_device()
+
+
+
+def mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
+    """Each value averaged over the ranks (a no-op on one process)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    t = torch.tensor(list(values.values()), dtype=torch.float64)
+    dist.all_reduce(t)
+    return dict(zip(values, (t / dist.get_world_size()).tolist()))
+
+
+class MetricWindow:
+    """Running means of per-step statistics between two log lines."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.steps = 0
+
+    def add(self, stats: dict[str, float]) -> None:
+        self.steps += 1
+        for key, value in stats.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value
+
+    def pop(self) -> dict[str, float]:
+        """Means over ranks of this rank's window means; starts a new window. Every rank must call it."""
+        means = {key: total / max(1, self.steps) for key, total in sorted(self.sums.items())}
+        self.sums, self.steps = {}, 0
+        return mean_over_ranks(means)

@@ -1,0 +1,134 @@
+"""Reward model: an LM with a scalar head, trained on preference pairs (Bradley-Terry), on Ray Train.
+
+    input: an HF causal-LM checkpoint (usually the SFT model), preference pairs (prompt, chosen, rejected)
+    1. validate, render both sides with the chat template, tokenize                  [Ray Data]
+    2. on each of N workers:                                                           [Ray Train]
+         r_theta <- the checkpoint's transformer + a new linear head to one scalar,
+                    read at each sequence's last token
+         for step in 1..max_steps:
+             (chosen, rejected) <- next batch of pairs; one forward scores both sides
+             loss <- -log sigmoid(r(chosen) - r(rejected))                        (Bradley-Terry)
+             AdamW step, LR warmup + cosine; log loss, accuracy, reward margin -> MLflow
+    3. pairwise accuracy on held-out pairs (rank 0); the HF checkpoint (architecture
+       *ForSequenceClassification) is registered in MLflow and scores responses for RL
+       through ``mlplat.rl.rewards.RewardModelScorer``
+    output: run id, model version, held-out accuracy
+
+Run: ``mlplat train reward_model --config rm.yaml``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import ray.train
+import torch
+from pydantic import BaseModel
+
+from mlplat.data.loader import ShardLoader
+from mlplat.data.preference import PairCollate, PreferenceDataConfig, prepare_preference_dataset, read_preference_pairs
+from mlplat.models import load_reward_model, load_tokenizer
+from mlplat.tracking import ModelRef, RunLogger
+from mlplat.train.checkpoint import CheckpointMeta
+from mlplat.train.losses import bradley_terry_loss
+from mlplat.train.parallel import unwrap
+from mlplat.train.recipe import MetricWindow, RecipeConfig, RecipeRun, report, trainable, worker_setup
+
+
+class RewardModelConfig(RecipeConfig):
+    data: PreferenceDataConfig
+    eval_data: str | None = None  # held-out preference JSONL: pairwise accuracy at the end
+    experiment: str = "mlplat-reward-model"
+    registered_model: str | None = "reward-model"
+
+
+class RewardModelResult(BaseModel):
+    run_id: str
+    model_dir: str
+    model_version: ModelRef | None
+    first_loss: float
+    final_loss: float
+    eval_accuracy: float | None  # held-out pairs with r(chosen) > r(rejected)
+
+
+def train_loop_per_worker(config: dict) -> None:
+    cfg = RewardModelConfig.model_validate(config["cfg"])
+    rank = ray.train.get_context().get_world_rank()
+    logger = RunLogger(config["run_id"], config["tracking_uri"]) if rank == 0 else None
+    device = worker_setup(cfg)
+    tokenizer = load_tokenizer(config["model_dir"])
+
+    model, optimizer, scheduler, state = trainable(load_reward_model(config["model_dir"]), cfg, device)
+    loader = ShardLoader(ray.train.get_dataset_shard("train"), cfg.batch_size_per_worker, PairCollate(tokenizer.pad_token_id), cfg.seed, position=state.data)
+    meta = CheckpointMeta(base_model=config["model_dir"], format="consolidated")
+    window = MetricWindow()
+
+    while state.step < cfg.max_steps:
+        batch = {k: v.to(device) for k, v in loader.next().items()}
+        scores = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+        chosen, rejected = scores.chunk(2)
+        loss, stats = bradley_terry_loss(chosen, rejected)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+        state.data = loader.position
+        window.add({"loss": loss.item(), "grad_norm": float(grad_norm), **stats})
+
+        last = state.step == cfg.max_steps
+        if state.step % cfg.log_every == 0 or last:
+            metrics = {**window.pop(), "lr": scheduler.get_last_lr()[0]}
+            if last and cfg.eval_data and logger:
+                metrics["eval/accuracy"] = pairwise_accuracy(unwrap(model), tokenizer, cfg.eval_data, cfg.data.max_seq_len, device)
+            if logger:
+                logger.log_metrics(metrics, step=state.step)
+            save = state.step % cfg.checkpoint_every == 0 or last
+            report({"step": state.step, **metrics}, (model, optimizer, scheduler, state, meta, tokenizer) if save else None)
+
+
+@torch.no_grad()
+def pairwise_accuracy(model, tokenizer, path: str, max_seq_len: int, device: torch.device, batch_size: int = 64) -> float:
+    """Fraction of held-out pairs the model scores chosen above rejected."""
+    was_training = model.training
+    model.eval()
+    pairs, collate, correct = read_preference_pairs(path, tokenizer, max_seq_len), PairCollate(tokenizer.pad_token_id), 0
+    for start in range(0, len(pairs), batch_size):
+        chunk = pairs[start : start + batch_size]
+        batch = collate({key: [p[key] for p in chunk] for key in chunk[0]})
+        scores = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)).logits[:, 0]
+        chosen, rejected = scores.chunk(2)
+        correct += int((chosen > rejected).sum())
+    model.train(was_training)
+    return correct / len(pairs)
+
+
+def run_reward_model(cfg: RewardModelConfig, tracking_uri: str | None = None, work_dir: str | Path = "outputs") -> RewardModelResult:
+    """Run the recipe on the connected Ray cluster (a local one is started if needed)."""
+    run = RecipeRun("reward_model", cfg, tracking_uri, work_dir)
+    with run.tracked():
+        dataset, data_report = prepare_preference_dataset(cfg.data, str(run.model_dir), rejects_dir=run.work_dir / run.run_id)
+        run.log_data_report(data_report)
+        result = run.fit(train_loop_per_worker, run.loop_config(), {"train": dataset})
+        final_dir, version = run.finish(result)
+    losses = run.logger.client.get_metric_history(run.run_id, "loss")
+    return RewardModelResult(
+        run_id=run.run_id,
+        model_dir=str(final_dir),
+        model_version=version,
+        first_loss=min(losses, key=lambda m: m.step).value,
+        final_loss=max(losses, key=lambda m: m.step).value,
+        eval_accuracy=result.metrics.get("eval/accuracy"),
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    from mlplat.cli import main as cli_main
+
+    cli_main(["train", "reward_model", *(argv if argv is not None else sys.argv[1:])])
+
+
+if __name__ == "__main__":
+    main()
