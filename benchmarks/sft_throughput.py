@@ -41,8 +41,8 @@ JSON fields:
 - time_to_first_step_s: as the recipe logs it (run_sft start to the end of step 1) for the
   1-worker run, which starts on an already running Ray; ray_init_s is the Ray start this
   script does before it (time_to_first_step_cold_s = the sum); *_2w for the 2-worker run.
-- mfu, mfu_2w: the recipe's logged MFU (per worker, against a matmul peak each worker
-  measures once as it starts), time-weighted over steady windows; baseline_mfu with the
+- mfu, mfu_2w: the recipe's logged MFU (per worker, against a one-thread matmul peak run_sft
+  measures before Ray starts), time-weighted over steady windows; baseline_mfu with the
   same FLOPs/token and a one-thread peak measured here before and after the runs (the
   faster of the two); mfu_check* recompute ours against that same peak.
 - step_fn_ratio: train_step in-process / baseline (see above).
