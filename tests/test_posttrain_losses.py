@@ -91,3 +91,30 @@ def test_after_a_weight_sync_the_rollout_engine_scores_tokens_like_the_trainer(t
     assert (torch.tensor(rollout.score(tokens)) - trainer_logprobs()).abs().max() > 1e-2
     assert rollout.update_weights({k: v.detach() for k, v in trainer.state_dict().items()}) > 0
     torch.testing.assert_close(torch.tensor(rollout.score(tokens)), trainer_logprobs(), atol=1e-4, rtol=0)
+
+
+def test_grpo_config_refuses_mini_batches_that_do_not_divide_the_samples():
+    from mlplat.config import validate
+    from mlplat.errors import ConfigError
+    from train_apps.grpo import GRPOConfig
+
+    base = {"model": "/m", "data": {"path": "/p.jsonl"}, "batch_size_per_worker": 3, "group_size": 4}
+    assert validate(GRPOConfig, {**base, "num_mini_batches": 4}).num_mini_batches == 4
+    with pytest.raises(ConfigError, match="num_mini_batches=5 must divide"):
+        validate(GRPOConfig, {**base, "num_mini_batches": 5})
+
+
+@pytest.mark.parametrize("recipe", ["reward_model", "dpo", "grpo"])
+def test_a_missing_eval_file_is_a_one_line_error_before_any_run_starts(recipe, tmp_path):
+    import subprocess
+
+    from conftest import MLPLAT
+
+    out = subprocess.run(
+        [MLPLAT, "train", recipe, "--set", "model=/nowhere", "--set", f"data.path={tmp_path}/d.jsonl", "--set", f"eval_data={tmp_path}/missing.jsonl"],
+        check=False, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("mlplat: error")]
+    assert errors == [f"mlplat: error: eval_data: {tmp_path}/missing.jsonl is not a file: give a held-out JSONL path, or leave eval_data unset"]
+    assert "Traceback" not in out.stderr

@@ -38,7 +38,7 @@ import ray
 import ray.train
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 from ray.data.collate_fn import NumpyBatchCollateFn
 
 from mlplat.data.demo import extract_answer
@@ -55,7 +55,7 @@ from mlplat.train.checkpoint import CheckpointMeta
 from mlplat.train.losses import group_advantages, grpo_loss, token_logprobs
 from mlplat.train.optim import OptimizerConfig
 from mlplat.train.parallel import full_state_dict
-from mlplat.train.recipe import MetricWindow, RecipeConfig, RecipeRun, report, trainable, worker_setup
+from mlplat.train.recipe import MetricWindow, RecipeConfig, RecipeRun, reduce_over_ranks, report, trainable, worker_setup
 
 
 class GRPOConfig(RecipeConfig):
@@ -77,6 +77,17 @@ class GRPOConfig(RecipeConfig):
     optim: OptimizerConfig = OptimizerConfig(lr=1e-5, warmup_steps=0, min_lr_ratio=1.0)
     experiment: str = "mlplat-grpo"
     registered_model: str | None = "grpo-model"
+
+
+    @model_validator(mode="after")
+    def _whole_mini_batches(self):
+        samples = self.batch_size_per_worker * self.group_size
+        if samples % self.num_mini_batches:
+            raise ValueError(
+                f"num_mini_batches={self.num_mini_batches} must divide the samples per worker per step "
+                f"(batch_size_per_worker x group_size = {samples})"
+            )
+        return self
 
 
 class GRPOResult(BaseModel):
@@ -118,14 +129,6 @@ def entropy(logits: torch.Tensor, mask: torch.Tensor) -> float:
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     per_token = -(logp.exp() * logp).sum(-1)
     return ((per_token * mask).sum() / mask.sum().clamp(min=1)).item()
-
-
-def all_reduce_sum(value: float) -> float:
-    if not (dist.is_available() and dist.is_initialized()):
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.item()
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -177,7 +180,7 @@ def train_loop_per_worker(config: dict) -> None:
         for _ in range(cfg.ppo_epochs):
             for mb in torch.arange(len(samples)).split(rows_per_mini_batch):
                 # Token-level mean over every rank's mini-batch: DDP averages gradients over ranks.
-                global_tokens = all_reduce_sum(mask[mb].sum().item())
+                global_tokens = reduce_over_ranks(mask[mb].sum().item(), dist.ReduceOp.SUM)
                 logprobs, _ = policy_logprobs(policy, {k: v[mb] for k, v in batch.items()})
                 loss, mb_stats = grpo_loss(
                     logprobs, old_logprobs[mb], batch["advantages"][mb], mask[mb], cfg.clip_ratio,
@@ -207,7 +210,7 @@ def train_loop_per_worker(config: dict) -> None:
 
         last = state.step == cfg.max_steps
         if state.step % cfg.log_every == 0 or last:
-            metrics = {**window.pop(), "lr": scheduler.get_last_lr()[0], "run/logprob_diff_max": all_reduce_max(max_logprob_diff)}
+            metrics = {**window.pop(), "lr": scheduler.get_last_lr()[0], "run/logprob_diff_max": reduce_over_ranks(max_logprob_diff, dist.ReduceOp.MAX)}
             metrics["rollout/tokens_per_s"] *= world_size  # every rank's rollouts together
             if last and eval_rows:
                 metrics["eval/exact_match"] = held_out_exact_match(my_rollout, eval_rows, cfg.max_new_tokens)
@@ -215,14 +218,6 @@ def train_loop_per_worker(config: dict) -> None:
                 logger.log_metrics(metrics, step=state.step)
             save = state.step % cfg.checkpoint_every == 0 or last
             report({"step": state.step, **metrics}, (policy, optimizer, scheduler, state, meta, tokenizer) if save else None)
-
-
-def all_reduce_max(value: float) -> float:
-    if not (dist.is_available() and dist.is_initialized()):
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def sync_weights(policy, rollout_workers: list, rank: int) -> None:

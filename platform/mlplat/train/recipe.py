@@ -25,6 +25,7 @@ from ray.train.torch import TorchTrainer
 from mlplat.config import Config, to_flat_params
 from mlplat.data.ingest import DataReport
 from mlplat.data.loader import deterministic_data_config
+from mlplat.errors import ConfigError
 from mlplat.runtime import init_ray
 from mlplat.tracking import ModelRef, RunLogger, register_model_dir, resolve_model, start_run
 from mlplat.tracking.runs import default_tracking_uri
@@ -69,6 +70,9 @@ class RecipeRun:
         self.recipe, self.cfg = recipe, cfg
         self.tracking_uri = tracking_uri or default_tracking_uri()
         self.work_dir = Path(work_dir)
+        eval_data = getattr(cfg, "eval_data", None)
+        if eval_data and "://" not in eval_data and not Path(eval_data).is_file():
+            raise ConfigError(f"eval_data: {eval_data} is not a file: give a held-out JSONL path, or leave eval_data unset")
         self.model_dir = resolve_model(cfg.model, download_dir=self.work_dir / "downloads", tracking_uri=self.tracking_uri)
         init_ray(num_training_workers=cfg.num_workers)
         tags = {"mlplat.recipe": recipe, "mlplat.base_model": cfg.model}
@@ -166,11 +170,28 @@ def worker_setup(cfg: RecipeConfig) -> torch.device:
 
 
 
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def reduce_over_ranks(value: float, op) -> float:
+    """``value`` reduced over the ranks with ``op`` (a ``torch.distributed.ReduceOp``); itself on one process."""
+    import torch.distributed as dist
+
+    if not _distributed():
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return t.item()
+
+
 def mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
     """Each value averaged over the ranks (a no-op on one process)."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not _distributed():
         return values
     t = torch.tensor(list(values.values()), dtype=torch.float64)
     dist.all_reduce(t)
