@@ -193,12 +193,13 @@ def main() -> None:
 
     prompt_len = scale[1]
     shared = workload(1, (int(prompt_len * 0.9),) * 2, (1, 1), vocab, seed=99)[0][0]
-    tails = [workload(1, (prompt_len - len(shared),) * 2, (1, 1), vocab, seed=s)[0][0] for s in (100, 101)]
+    tails = [workload(1, (prompt_len - len(shared),) * 2, (1, 1), vocab, seed=s)[0][0] for s in (100, 101, 102, 103)]
     params = SamplingParams(temperature=0, max_tokens=1)
     engine.prefill(shared + tails[0], params)  # warms the cache with the shared prefix
-    hit = min(_timed(lambda: engine.prefill(shared + tails[1], params)) for _ in range(1))
+    # Best of 3 against noise; a fresh tail each time, so every hit finds exactly the shared prefix cached.
+    hit = min(_timed(lambda t=t: engine.prefill(shared + t, params)) for t in tails[1:])
     cold = LLMEngine(EngineConfig(model=str(model_dir), block_size=16, num_kv_blocks=256, enable_prefix_caching=False))
-    miss = _timed(lambda: cold.prefill(shared + tails[1], params))
+    miss = min(_timed(lambda t=t: cold.prefill(shared + t, params)) for t in tails[1:])
     report["prefix_ttft_speedup"] = miss / hit
     rows.append(("TTFT ms, 90% prefix cached (miss ms)", 1000 * hit, 1000 * miss))
 

@@ -92,8 +92,17 @@ def test_greedy_equals_transformers_generate(checkpoint):
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(checkpoint, batch, GREEDY.max_tokens)
 
 
-@pytest.mark.parametrize("query_lens, context_lens", [([1, 1, 1], [5, 17, 9]), ([7, 3, 1], [7, 11, 20])])
-def test_paged_attention_equals_dense(query_lens, context_lens):
+@pytest.mark.parametrize("query_lens, context_lens, group_cost", [
+    ([1, 1, 1], [5, 17, 9], None),  # decodes in one padded group
+    ([1, 1, 1, 4], [17, 9, 5, 12], 0),  # decodes split into groups by length, then a chunk
+    ([7, 3, 1], [7, 11, 20], None),
+])
+def test_paged_attention_equals_dense(query_lens, context_lens, group_cost, monkeypatch):
+    from mlplat.engine import model
+
+    if group_cost is not None:
+        monkeypatch.setattr(model, "GROUP_COST_TOKENS", group_cost)
+        assert len(model.decode_groups(context_lens[:3], 4)) == 3
     torch.manual_seed(0)
     block_size, kv_heads, heads, dim, num_blocks = 4, 2, 4, 8, 32
     k_cache, v_cache = torch.randn(2, num_blocks, block_size, kv_heads, dim).unbind(0)
@@ -106,6 +115,8 @@ def test_paged_attention_equals_dense(query_lens, context_lens):
         dense_v.append(v_cache[table].flatten(0, 1)[:ctx])
     q = torch.randn(sum(query_lens), heads, dim)
     meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), query_lens, torch.tensor(context_lens), torch.tensor(tables), block_size)
+    if group_cost is not None:  # decode gathers into reused buffers, larger than needed and full of garbage
+        meta.gather_buffers = tuple(torch.full((20, block_size, kv_heads, dim), float("nan")) for _ in range(2))
     out = paged_attention(q, k_cache, v_cache, meta, dim**-0.5)
     start = 0
     for n, ctx, k, v in zip(query_lens, context_lens, dense_k, dense_v):
@@ -289,6 +300,15 @@ def test_int8_weight_only(llama, tmp_path, tiny_model):
     ref = [o.outputs[0].token_ids for o in run_checked(full, first, prompt_ids=batch)]
     got = [o.outputs[0].token_ids for o in run_checked(int8, first, prompt_ids=batch)]
     assert sum(r == g for r, g in zip(ref, got)) >= 6, (ref, got)
+    # Decoding runs a few rows at a time through the int8 kernel (bf16 activations), prefill and
+    # scoring through dequantized weights: both compute the same model, to bf16 precision.
+    layer = linears[0]
+    x = torch.randn(2, layer.in_features)
+    dequantized = F.linear(x, layer.qweight.float() * layer.scale[:, None], layer.bias)
+    torch.testing.assert_close(layer(x), dequantized, atol=0.02 * dequantized.abs().max().item(), rtol=0)
+    decoded = run_checked(int8, GREEDY.model_copy(update={"max_tokens": 4, "logprobs": True}), prompt_ids=[tokens])[0].outputs[0]
+    rescored = int8.score(tokens + decoded.token_ids)[len(tokens) - 1 :]
+    torch.testing.assert_close(torch.tensor(decoded.logprobs), torch.tensor(rescored), atol=0.02, rtol=0.05)
     # In-place weight updates re-quantize.
     torch.manual_seed(1)
     other = make_checkpoint(tmp_path / "other", load_tokenizer(tiny_model), "llama")

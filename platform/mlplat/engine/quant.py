@@ -1,8 +1,11 @@
 """Int8 weight-only quantization: symmetric, one scale per output channel, chosen at load time.
 
 Decode is memory-bound, so reading 1 byte per weight instead of 4 (fp32) or 2 (bf16)
-is the win; activations stay in the compute dtype. On CPU the matmul runs in
-PyTorch's int8 weight-only kernel; elsewhere the weight is dequantized per call.
+is the win. On CPU, a few rows at a time (decoding) go through PyTorch's int8 weight-only
+kernel (``_weight_int8pack_mm``) with bf16 activations: its vectorized path; with fp32 or
+fp16 activations it falls back to scalar code 10-100x slower than an fp32 matmul. Larger
+batches (prefill, scoring) are compute-bound: there, and on other devices, the weight is
+dequantized per call and the matmul runs in the compute dtype.
 """
 
 from __future__ import annotations
@@ -15,10 +18,13 @@ from torch import nn
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 weight [out, in] and fp32 scales [out] with weight ~= int8 * scale."""
     scale = weight.float().abs().amax(dim=1).clamp(min=1e-8) / 127.0
-    return torch.round(weight.float() / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+    return torch.round(weight.float() / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous(), scale
 
 
 class Int8Linear(nn.Module):
+    # Up to this many rows the int8 kernel beats dequantize + fp32 matmul (measured on a 2-core AVX-512 CPU).
+    int8_kernel_max_rows = 4
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -26,6 +32,7 @@ class Int8Linear(nn.Module):
         q, scale = quantize_per_channel(linear.weight.detach())
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale.to(self.compute_dtype))
+        self.register_buffer("scale_bf16", scale.to(torch.bfloat16), persistent=False)  # the int8 kernel's
         self.bias = linear.bias
 
     @torch.no_grad()
@@ -33,10 +40,12 @@ class Int8Linear(nn.Module):
         q, scale = quantize_per_channel(weight.to(self.qweight.device))
         self.qweight.copy_(q)
         self.scale.copy_(scale)
+        self.scale_bf16.copy_(scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu":
-            y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.qweight, self.scale)
+        rows = x.reshape(-1, self.in_features)
+        if x.device.type == "cpu" and rows.shape[0] <= self.int8_kernel_max_rows:
+            y = torch._weight_int8pack_mm(rows.to(torch.bfloat16), self.qweight, self.scale_bf16).to(x.dtype)
             y = y.reshape(*x.shape[:-1], self.out_features)
         else:
             y = F.linear(x, self.qweight.to(x.dtype)) * self.scale

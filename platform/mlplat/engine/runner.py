@@ -11,7 +11,7 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from mlplat.engine.config import EngineConfig
-from mlplat.engine.model import AttentionMetadata, CausalLM, hf_state_dict_to_engine
+from mlplat.engine.model import AttentionMetadata, CausalLM, hf_state_dict_to_engine, store_linear_weights_input_major_
 from mlplat.engine.quant import Int8Linear, quantize_int8_
 from mlplat.engine.sequence import Sequence
 from mlplat.errors import CheckpointError
@@ -41,6 +41,8 @@ class ModelRunner:
         self.max_model_len = cfg.max_model_len or self.hf_config.max_position_embeddings
         with torch.device(self.device):
             self.model = CausalLM(self.hf_config, self.max_model_len).to(self.dtype)
+        if self.device.type == "cpu":
+            store_linear_weights_input_major_(self.model)
         self.update_weights(read_safetensors(model_dir))
         if cfg.quantization == "int8":
             quantize_int8_(self.model)
@@ -55,6 +57,8 @@ class ModelRunner:
         self.kv_cache = torch.zeros(
             c.num_hidden_layers, 2, self.num_blocks, cfg.block_size, c.num_key_value_heads, head_dim, dtype=self.dtype, device=self.device
         )
+        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+        self.gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # grown on demand, see AttentionMetadata
 
     @property
     def kv_layout(self) -> dict:
@@ -89,20 +93,28 @@ class ModelRunner:
     def prepare(self, batch: list[tuple[Sequence, int]], num_logits: list[int] | None = None):
         """Flatten (sequence, number of new tokens) pairs into the model's step inputs.
 
-        ``num_logits[i]``: how many of sequence i's last new tokens need logits (default 1)."""
-        input_ids, positions, slots, query_lens, context_lens, logits_indices = [], [], [], [], [], []
+        Decodes (one new token) go first, longest context first, so attention batches them in
+        groups of similar length; logits come back in ``batch`` order. ``num_logits[i]``: how many
+        of sequence i's last new tokens need logits (default 1)."""
+        decodes = sorted((i for i, (_, n) in enumerate(batch) if n == 1), key=lambda i: -len(batch[i][0]))
+        order = decodes + [i for i, (_, n) in enumerate(batch) if n != 1]
+        input_ids, positions, slots, query_lens, context_lens, tables, ends = [], [], [], [], [], [], {}
         bs = self.block_size
-        for i, (seq, n) in enumerate(batch):
+        max_blocks = max(len(seq.block_table) for seq, _ in batch)
+        for i in order:
+            seq, n = batch[i]
             start = seq.num_computed_tokens
+            table = seq.block_table
             input_ids += seq.token_ids[start : start + n]
             positions += range(start, start + n)
-            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             query_lens.append(n)
             context_lens.append(start + n)
-            k = num_logits[i] if num_logits else 1
-            logits_indices += range(len(input_ids) - k, len(input_ids))
-        max_blocks = max(len(seq.block_table) for seq, _ in batch)
-        tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq, _ in batch]
+            tables.append(table + [0] * (max_blocks - len(table)))
+            ends[i] = len(input_ids)
+        logits_indices = []
+        for i in range(len(batch)):
+            logits_indices += range(ends[i] - (num_logits[i] if num_logits else 1), ends[i])
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
         meta = AttentionMetadata(
             slot_mapping=as_tensor(slots),
@@ -117,8 +129,12 @@ class ModelRunner:
     def run(self, batch: list[tuple[Sequence, int]], num_logits: list[int] | None = None) -> torch.Tensor:
         """Logits [sum(num_logits), V] at each sequence's last ``num_logits[i]`` new tokens (default 1)."""
         input_ids, positions, meta, logits_indices = self.prepare(batch, num_logits)
-        kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
-        return self.model(input_ids, positions, kv_caches, meta, logits_indices)
+        if meta.max_decode_gather:
+            if self.gather_buffers is None or self.gather_buffers[0].shape[0] < meta.max_decode_gather:
+                shape = (meta.max_decode_gather * 5 // 4, *self.kv_cache.shape[3:])  # headroom: contexts grow
+                self.gather_buffers = tuple(torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(2))
+            meta.gather_buffers = self.gather_buffers
+        return self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
 
     def _slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
         bs = self.block_size
@@ -126,7 +142,7 @@ class ModelRunner:
 
     def read_kv(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
         """The first ``num_tokens`` tokens' KV, compact: [layers, 2, tokens, kv_heads, head_dim]."""
-        return self.kv_cache.flatten(2, 3)[:, :, self._slots(block_table, num_tokens)].clone()
+        return self.kv_cache.flatten(2, 3).index_select(2, self._slots(block_table, num_tokens))
 
     def write_kv(self, block_table: list[int], kv: torch.Tensor) -> None:
         self.kv_cache.flatten(2, 3)[:, :, self._slots(block_table, kv.shape[2])] = kv.to(self.device, self.dtype)
