@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # resolves to a local CPU wheel). GPU machines: make quickstart TORCH=torch
 TORCH ?= torch==2.13.0
 
-.PHONY: quickstart test install install-dev clean
+.PHONY: quickstart test install install-dev prometheus clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,8 +28,18 @@ install-dev: $(VENV)/.installed-dev
 quickstart: install
 	$(BIN)/mlplat quickstart
 
-test: install-dev
+test: install-dev prometheus
 	$(BIN)/python -m pytest -q -ra
+
+# Debian's prometheus for tests/test_observability_prometheus.py (root, as in CI). Never fails the
+# build: without apt (or root) the test skips and says why.
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-cache policy prometheus 2>/dev/null | grep -q 'Candidate: [0-9]' || apt-get update -qq >/dev/null 2>&1; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 \
+	      || echo "make: could not install prometheus with apt; its test will skip"; \
+	  else echo "make: no apt-get as root here; prometheus not installed, its test will skip"; fi; }
 
 clean:
 	rm -rf $(VENV) quickstart outputs mlflow.db mlartifacts

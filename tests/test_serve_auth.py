@@ -75,7 +75,7 @@ def test_missing_or_unknown_key_is_401(app):
     for headers in ({}, bearer("nope"), {"Authorization": "Basic key-b"}, {"Authorization": "Bearer"}):
         r = httpx.get(f"{app}/models", headers=headers, timeout=60)
         assert r.status_code == 401, (headers, r.text)
-        assert set(r.json()["error"]) == {"message", "type", "param", "code"} and r.json()["error"]["code"] == "invalid_api_key"
+        assert set(r.json()["error"]) == {"message", "type", "param", "code", "request_id"} and r.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=app, api_key="nope", max_retries=0).models.list()
     # A key from the keys file works, through the openai client.

@@ -47,6 +47,7 @@ from mlplat.data.loader import ShardLoader
 from mlplat.data.rl_prompts import prepare_rl_prompt_dataset, prompt_messages
 from mlplat.evaluation import read_eval_rows
 from mlplat.models import load_model, load_tokenizer
+from mlplat.observability import catalogue as oc
 from mlplat.rl.rewards import RewardConfig, build_reward_fn, start_reward_model
 from mlplat.rl.rollout import RolloutConfig, Sample, start_rollout_workers
 from mlplat.tracking import ModelRef, RunLogger, resolve_model
@@ -216,8 +217,21 @@ def train_loop_per_worker(config: dict) -> None:
                 metrics["eval/exact_match"] = held_out_exact_match(my_rollout, eval_rows, cfg.max_new_tokens)
             if logger:
                 logger.log_metrics(metrics, step=state.step)
+                export_metrics(metrics, config["run_id"])
             save = state.step % cfg.checkpoint_every == 0 or last
             report({"step": state.step, **metrics}, (policy, optimizer, scheduler, state, meta, tokenizer) if save else None)
+
+
+def export_metrics(metrics: dict[str, float], run_id: str) -> None:
+    """Rank 0's log window as Prometheus metrics (mlplat.observability.catalogue)."""
+    job = {"recipe": "grpo", "run_id": run_id}
+    for metric, key in ((oc.RL_REWARD_MEAN, "reward/mean"), (oc.RL_REWARD_STD, "reward/std"), (oc.RL_KL, "kl"),
+                        (oc.RL_ROLLOUT_TOKENS_PER_S, "rollout/tokens_per_s"), (oc.RL_RESPONSE_LENGTH, "response_length"),
+                        (oc.TRAIN_LOSS, "loss"), (oc.TRAIN_LR, "lr"), (oc.TRAIN_GRAD_NORM, "grad_norm")):  # fmt: skip
+        if key in metrics:
+            metric.set(metrics[key], **job)
+    for phase in ("rollout", "reward", "train", "sync"):
+        oc.TRAIN_STEP_PHASE_SECONDS.set(metrics[f"time/{phase}_s"], phase=phase, rank="0", **job)
 
 
 def sync_weights(policy, rollout_workers: list, rank: int) -> None:

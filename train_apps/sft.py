@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Literal
 
 import ray
 import ray.train
@@ -36,7 +36,6 @@ from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from pydantic import BaseModel, Field, model_validator
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
-from ray.util.metrics import Gauge
 
 from mlplat.config import Config, to_flat_params
 from mlplat.data.loader import ShardLoader, deterministic_data_config
@@ -45,6 +44,8 @@ from mlplat.errors import CheckpointError, ConfigError
 from mlplat.health.marking import accepted_worker_resources
 from mlplat.health.training import FaultInjection, RankHealth, TrainingHealthConfig
 from mlplat.models import load_model, load_tokenizer
+from mlplat.observability import catalogue as metrics_catalogue
+from mlplat.observability.profiling import ProfileConfig, StepProfiler, step_time_summary
 from mlplat.runtime import init_ray
 from mlplat.tracking import ModelRef, RunLogger, register_model_dir, resolve_model, start_run
 from mlplat.train.checkpoint import MODEL_DIR, TRAIN_STATE, CheckpointFormat, CheckpointMeta, TrainState, load_checkpoint, save_checkpoint
@@ -88,6 +89,7 @@ class SFTConfig(Config):
     registered_alias: str | None = "candidate"
     health: TrainingHealthConfig = TrainingHealthConfig()  # straggler and hang detection; accepted nodes only (mlplat.health)
     debug: FaultInjection = FaultInjection()  # test hooks: a slow or a hung rank, to exercise the detectors
+    profile: ProfileConfig | None = None  # torch profiler trace of a few steps on rank 0 -> MLflow (mlplat.observability)
 
     @model_validator(mode="after")
     def _checks(self):
@@ -158,6 +160,7 @@ def _train(cfg: SFTConfig, config: dict, rank: int, world_size: int, logger: Run
     meta = CheckpointMeta(base_model=config["model_dir"], lora=cfg.lora.model_dump() if cfg.lora else None, format=cfg.checkpoint_format)
     window = _Window(world_size, flops_per_token(unwrap(model), cfg.data.max_seq_len), peak_flops(device, config["peak_tflops"]))
     gauges = _Gauges(config["run_id"], rank)
+    profiler = StepProfiler(cfg.profile, device, logger) if cfg.profile and rank == 0 else None
     bf16 = cfg.use_gpu and cfg.bf16
     while state.step < cfg.max_steps:
         step_start = time.perf_counter()
@@ -175,19 +178,23 @@ def _train(cfg: SFTConfig, config: dict, rank: int, world_size: int, logger: Run
                 f"(last loss {stats.loss}, grad norm {stats.grad_norm}); lower optim.lr, check the data, or raise max_bad_steps_in_row"
             )
         window.add(stats, time.perf_counter() - step_start, timer.reset())
+        if profiler:
+            profiler.step()
         if state.step == 1:
             window.time_to_first_step_s = time.time() - config["job_start_time"]
         if state.step % cfg.log_every == 0 or state.step == cfg.max_steps:
             metrics = {"lr": scheduler.get_last_lr()[0], "skipped_steps": state.skipped_steps, "epoch": state.data.epoch, **window.metrics()}
             metrics |= health.end_window(metrics)  # per-rank local step times compared; may stop a job with a straggler
-            if logger:
-                logger.log_metrics(metrics, step=state.step)
-            gauges.set(metrics)
             last = state.step == cfg.max_steps
+            if logger:
+                logger.log_metrics(metrics | (step_time_summary(window.total_phase_s, window.total_step_s) if last else {}), step=state.step)
+            gauges.set(metrics, window.steps, window.skipped)
             save = state.step % cfg.checkpoint_every == 0 or last
             _report({"step": state.step, **metrics}, save, meta, model, optimizer, scheduler, state, tokenizer, export_hf=cfg.checkpoint_hf or last)
             window = window.next()
         health.step_done()
+    if profiler:
+        profiler.close()
 
 
 class _Window:
@@ -199,11 +206,12 @@ class _Window:
         self.world_size, self.flops_per_token, self.peak_flops = world_size, flops_per_token, peak_flops
         self.total_wait_s = self.total_step_s = 0.0
         self.total_tokens = 0
+        self.total_phase_s = dict.fromkeys(self.PHASES, 0.0)  # whole run, for the step-time summary
         self.time_to_first_step_s: float | None = None
         self._reset()
 
     def _reset(self) -> None:
-        self.steps = self.targets = self.tokens = self.slots = 0
+        self.steps = self.targets = self.tokens = self.slots = self.skipped = 0
         self.loss_sum = self.grad_norm_sum = self.step_s = 0.0
         self.phase_s = dict.fromkeys(self.PHASES, 0.0)
 
@@ -213,6 +221,7 @@ class _Window:
 
     def add(self, stats: StepStats, step_s: float, phase_s: dict[str, float]) -> None:
         self.steps += 1
+        self.skipped += int(stats.skipped)
         if not stats.skipped:
             self.loss_sum += stats.loss * stats.target_tokens
             self.targets += stats.target_tokens
@@ -223,6 +232,7 @@ class _Window:
         self.step_s += step_s
         for name, seconds in phase_s.items():
             self.phase_s[name] += seconds
+            self.total_phase_s[name] = self.total_phase_s.get(name, 0.0) + seconds
         self.total_wait_s += phase_s.get("data_wait", 0.0)
         self.total_step_s += step_s
 
@@ -249,21 +259,28 @@ class _Window:
 
 
 class _Gauges:
-    """The step-time breakdown as Prometheus metrics (Ray exports them with a ``ray_`` prefix)."""
-
-    NAMES: ClassVar = {"loss": "loss", "tokens_per_s": "tokens_per_second", "mfu": "mfu", "data_wait_fraction": "data_wait_fraction"}
+    """The log window's figures as Prometheus metrics (mlplat.observability.catalogue); rank 0 reports the job's."""
 
     def __init__(self, run_id: str, rank: int):
-        self.tags = {"run_id": run_id, "rank": str(rank)}
-        keys = ("run_id", "rank")
-        self.gauges = {key: Gauge(f"mlplat_train_{name}", f"SFT {name}, last log window", tag_keys=keys) for key, name in self.NAMES.items()}
-        self.phase = Gauge("mlplat_train_step_phase_seconds", "mean seconds per step in each phase", tag_keys=(*keys, "phase"))
+        self.job = {"recipe": "sft", "run_id": run_id}
+        self.rank = {**self.job, "rank": str(rank)}
+        self.is_rank0 = rank == 0
 
-    def set(self, metrics: dict[str, float]) -> None:
-        for key, gauge in self.gauges.items():
-            gauge.set(metrics[key], tags=self.tags)
+    def set(self, metrics: dict[str, float], steps: int, skipped: int) -> None:
+        m = metrics_catalogue
+        m.TRAIN_STEP_SECONDS.set(metrics["time/step_s"], **self.rank)
+        m.TRAIN_DATA_WAIT_FRACTION.set(metrics["data_wait_fraction"], **self.rank)
         for name in _Window.PHASES:
-            self.phase.set(metrics[f"time/{name}_s"], tags={**self.tags, "phase": name})
+            m.TRAIN_STEP_PHASE_SECONDS.set(metrics[f"time/{name}_s"], phase=name, **self.rank)
+        if not self.is_rank0:
+            return
+        m.TRAIN_LOSS.set(metrics["loss"], **self.job)
+        m.TRAIN_GRAD_NORM.set(metrics["grad_norm"], **self.job)
+        m.TRAIN_LR.set(metrics["lr"], **self.job)
+        m.TRAIN_TOKENS_PER_S.set(metrics["tokens_per_s"], **self.job)
+        m.TRAIN_MFU.set(metrics["mfu"], **self.job)
+        m.TRAIN_STEPS.inc(steps, **self.job)
+        m.TRAIN_SKIPPED_STEPS.inc(skipped, **self.job)
 
 
 def _report(metrics, save: bool, meta: CheckpointMeta, model, optimizer, scheduler, state: TrainState, tokenizer, export_hf: bool) -> None:
@@ -305,6 +322,8 @@ def run_sft(cfg: SFTConfig, tracking_uri: str | None = None, work_dir: str | Pat
     try:
         dataset, report = prepare_sft_dataset(cfg.data, str(model_dir), rejects_dir=Path(work_dir) / run_id)
         logger.set_tags({"mlplat.data.fingerprint": report.fingerprint})
+        for reason, rows in report.bad_rows_by_reason.items():
+            metrics_catalogue.TRAIN_REJECTED_ROWS.inc(rows, recipe="sft", run_id=run_id, reason=reason[:80])
         logger.log_metrics({
             "data.bad_rows": report.bad_rows,
             "data.rows_read": report.rows_read,

@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     from mlplat.health.cli import add_commands as add_health_commands
 
     add_health_commands(sub)  # health check, health nodes, health unmark
+
+    from mlplat.observability.cli import add_commands as add_observability_commands
+
+    add_observability_commands(sub)  # dashboards export|install, profile
     return parser
 
 
@@ -150,6 +154,10 @@ def _run(args: argparse.Namespace) -> None:
         from mlplat.health.cli import run_command as run_health_command
 
         run_health_command(args)
+    elif args.command in ("dashboards", "profile"):
+        from mlplat.observability.cli import run_command as run_observability_command
+
+        run_observability_command(args)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -245,6 +245,18 @@ def _log_run(report: HealthReport, cfg: HealthCheckConfig, profile: HardwareProf
     return run_id
 
 
+def _export_metrics(report: HealthReport) -> None:
+    """Each node's figures and verdict as Prometheus gauges (mlplat.observability.catalogue)."""
+    from mlplat.observability import catalogue as oc
+
+    for node in report.nodes:
+        for benchmark, value in node.metrics.items():
+            oc.HEALTH_BENCHMARK.set(value, node=node.node_id, benchmark=benchmark)
+        oc.HEALTH_NODE_PASSED.set(float(node.passed), node=node.node_id)
+    if report.collective and report.collective.busbw_gbps:
+        oc.HEALTH_ALLREDUCE_BUSBW.set(report.collective.busbw_gbps)
+
+
 def run_health_check(cfg: HealthCheckConfig, tracking_uri: str | None = None) -> HealthReport:
     """Check every alive node of the connected Ray cluster; act on and record the verdicts."""
     profile = load_profile(cfg.profile)
@@ -281,6 +293,7 @@ def run_health_check(cfg: HealthCheckConfig, tracking_uri: str | None = None) ->
     )
     if cfg.action != "report":
         _act(report, cfg.action)
+    _export_metrics(report)
     if cfg.experiment:
         report.mlflow_run_id = _log_run(report, cfg, profile, tracking_uri)
     if cfg.out:

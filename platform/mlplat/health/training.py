@@ -24,12 +24,12 @@ import ray.train
 import torch
 import torch.distributed as dist
 from pydantic import Field
-from ray.util.metrics import Gauge
 
 from mlplat.config import Config
 from mlplat.health import marking
 from mlplat.health.hang import HangConfig, HangWatchdog
 from mlplat.health.straggler import StragglerConfig, StragglerDetector, StragglerError
+from mlplat.observability.catalogue import TRAIN_RANK_SLOWDOWN
 from mlplat.tracking import RunLogger
 
 log = logging.getLogger("mlplat.health")
@@ -73,11 +73,6 @@ class RankHealth:
         self.first_attempt = ray.train.get_checkpoint() is None  # a restart after a failure restores this run's latest checkpoint
         self.detector = StragglerDetector(cfg.straggler)
         self.nodes = self._gather_nodes()
-        self.gauge = Gauge(
-            "mlplat_train_rank_slowdown",
-            "rank's local step time / the other ranks' median, last log window",
-            tag_keys=("run_id", "rank", "node"),
-        )
         self.watchdog = None
         if cfg.hang.enabled:
             stacks = Path(tempfile.gettempdir()) / "mlplat-health" / f"{run_id}-rank{self.rank}-pid{os.getpid()}-stacks.txt"
@@ -114,7 +109,7 @@ class RankHealth:
         verdict = self.detector.observe(seconds)  # the same on every rank: all of them stop together, or none
         if self.rank == 0:
             for rank, slowdown in enumerate(verdict.slowdowns):
-                self.gauge.set(slowdown, tags={"run_id": self.run_id, "rank": str(rank), "node": self.nodes[rank]["node_id"]})
+                TRAIN_RANK_SLOWDOWN.set(slowdown, recipe="sft", run_id=self.run_id, rank=str(rank), node=self.nodes[rank]["node_id"])
             for rank in verdict.newly_flagged:
                 self._report_straggler(rank, verdict.slowdowns[rank], seconds)
         if verdict.flagged and self.cfg.straggler.action == "stop":

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from mlplat.engine import EngineConfig, LLMEngine, SamplingParams
@@ -38,8 +40,9 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: EngineConfig, on_stats: Callable[[dict], None] | None = None, stats_period_s: float = 1.0):
         self.engine = LLMEngine(cfg)
+        self.on_stats, self.stats_period_s, self._next_stats = on_stats, stats_period_s, 0.0  # e.g. metrics gauges, from the engine thread
         self.tokenizer = self.engine.tokenizer
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -96,8 +99,14 @@ class AsyncEngine:
         engine = self.engine
         while True:
             if not engine.has_unfinished and self._inbox.empty():
-                self._wake.wait()
+                self._wake.wait(self.stats_period_s if self.on_stats else None)
                 self._wake.clear()
+            if self.on_stats and time.monotonic() >= self._next_stats:
+                self._next_stats = time.monotonic() + self.stats_period_s
+                try:
+                    self.on_stats(self._apply("stats"))
+                except Exception:  # a metrics hiccup must not stop the engine
+                    logging.getLogger("mlplat.serve").exception("engine stats callback failed")
             while not self._inbox.empty():
                 future, op, args = self._inbox.get()
                 try:
@@ -125,6 +134,7 @@ class AsyncEngine:
             bm = engine.block_manager
             return {
                 "free_kv_blocks": bm.num_free_blocks,
+                "kv_blocks_used": len(bm.blocks) - bm.num_free_blocks,
                 "kv_usage": bm.usage,
                 "prefix_hit_rate": bm.hit_rate,
                 "waiting": len(engine.scheduler.waiting),

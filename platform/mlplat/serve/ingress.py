@@ -9,6 +9,7 @@ through the object store between them and never through this process.
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -18,30 +19,49 @@ from ray import serve
 
 from mlplat.engine.scheduler import QueueFullError
 from mlplat.models.checkpoint import load_tokenizer
+from mlplat.observability import catalogue as metrics
+from mlplat.observability.logs import RequestIdMiddleware, current_request_id, request_id_of
+from mlplat.observability.serving import RequestTimer, rejection_reason
 from mlplat.serve.auth import Denied, Gatekeeper
 from mlplat.serve.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body, new_id, now
 
 app = FastAPI(title="mlplat OpenAI-compatible API")
+log = logging.getLogger("mlplat.serve")
+
+
+def _count_response(status: int) -> None:
+    metrics.SERVE_REQUESTS.inc(model=getattr(app.state, "model_name", ""), status=str(status))
+
+
+app.add_middleware(RequestIdMiddleware, on_response=_count_response)  # X-Request-Id into logs and error bodies; requests by status
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, headers: dict | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, headers: dict | None = None,
+                 reason: str | None = None):  # fmt: skip
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+        self.reason = reason or rejection_reason(status, code)  # the metric label
+
+
+def _error_response(request: Request, status: int, body: dict, reason: str, headers: dict | None = None) -> JSONResponse:
+    body["error"]["request_id"] = request_id_of(request)  # quote it when reporting a problem: it is in every log line of the request
+    metrics.SERVE_REJECTIONS.inc(model=getattr(app.state, "model_name", ""), reason=reason)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 @app.exception_handler(APIError)
-async def _api_error(_: Request, err: APIError):
+async def _api_error(request: Request, err: APIError):
     type_ = "invalid_request_error" if err.status < 500 else "server_error"
-    return JSONResponse(error_body(err.message, err.param, err.code, type_), status_code=err.status, headers=err.headers)
+    return _error_response(request, err.status, error_body(err.message, err.param, err.code, type_), err.reason, err.headers)
 
 
 @app.exception_handler(RequestValidationError)
-async def _validation_error(_: Request, err: RequestValidationError):
+async def _validation_error(request: Request, err: RequestValidationError):
     first = err.errors()[0]
     loc = [str(p) for p in first["loc"] if p != "body"]
     param = ".".join(loc) or None
     message = "request body is not valid JSON" if first["type"] == "json_invalid" else f"{param}: {first['msg']}"
-    return JSONResponse(error_body(message, param), status_code=400)
+    return _error_response(request, 400, error_body(message, param), "invalid_request")
 
 
 def sse_event(obj: dict) -> str:
@@ -85,6 +105,7 @@ class OpenAIIngress:
         self.default_max_tokens, self.max_model_len = default_max_tokens, max_model_len
         self.gate = gate
         self.llm, self.prefill, self.decode = llm, prefill, decode
+        app.state.model_name = model_name  # one ingress per replica process: the label of its metrics
 
     # -- routes -------------------------------------------------------------------------------
     @app.get("/v1/models")
@@ -97,7 +118,7 @@ class OpenAIIngress:
         self._authorize(request)
         self._check_model(body.model)
         prompt_ids = body.prompt if isinstance(body.prompt, list) else self.tokenizer.encode(body.prompt, add_special_tokens=False)
-        return await self._respond(body, prompt_ids, chat=False, logprobs=body.logprobs is not None)
+        return await self._respond(body, prompt_ids, chat=False, logprobs=body.logprobs is not None, request=request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
@@ -106,7 +127,7 @@ class OpenAIIngress:
         messages = [m.model_dump() for m in body.messages]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return await self._respond(body, prompt_ids, chat=True, logprobs=body.logprobs)
+        return await self._respond(body, prompt_ids, chat=True, logprobs=body.logprobs, request=request)
 
     # -- helpers --------------------------------------------------------------------------------
     def _authorize(self, request: Request) -> str:
@@ -121,26 +142,29 @@ class OpenAIIngress:
         if model != self.model_name:
             raise APIError(400, f"model {model!r} is not served here; available: [{self.model_name!r}]", "model", "model_not_found")
 
-    async def _respond(self, body, prompt_ids: list[int], chat: bool, logprobs: bool):
+    async def _respond(self, body, prompt_ids: list[int], chat: bool, logprobs: bool, request: Request):
         params = body.sampling_params(self.default_max_tokens, logprobs)
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             param = "max_tokens" if len(prompt_ids) < self.max_model_len else ("messages" if chat else "prompt")
             raise APIError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                                 f"model's context of {self.max_model_len} tokens", param, "context_length_exceeded")
         request_id = new_id("chatcmpl" if chat else "cmpl")
+        log.info("request %s: %s, %d prompt tokens", request_id, "chat" if chat else "completion", len(prompt_ids))
+        timer = RequestTimer(self.model_name, getattr(request.state, "started", None))
         deltas = self._generate(prompt_ids, params, request_id)
         try:
             first = await anext(deltas)  # errors (overload, bad request) surface before any byte is sent
         except Exception as err:  # noqa: BLE001
             raise self._as_api_error(err) from None
+        timer.on_delta(first["index"], len(first["token_ids"]))
         if body.stream:
-            return StreamingResponse(self._sse(first, deltas, params, request_id, chat), media_type="text/event-stream")
-        return await self._collect(first, deltas, params, prompt_ids, request_id, chat)
+            return StreamingResponse(self._sse(first, deltas, params, request_id, chat, timer, len(prompt_ids)), media_type="text/event-stream")
+        return await self._collect(first, deltas, params, prompt_ids, request_id, chat, timer)
 
     def _as_api_error(self, err: BaseException) -> APIError:
         cause = _cause(err)
         if isinstance(cause, QueueFullError) or isinstance(err, QueueFullError):
-            return APIError(429, f"server overloaded: {cause}", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+            return APIError(429, f"server overloaded: {cause}", code="rate_limit_exceeded", headers={"Retry-After": "1"}, reason="overloaded")
         if isinstance(cause, ValueError):
             return APIError(400, str(cause))
         if isinstance(err, APIError):
@@ -187,7 +211,7 @@ class OpenAIIngress:
         async for d in stream:
             yield d
 
-    async def _sse(self, first, deltas, params, request_id: str, chat: bool):
+    async def _sse(self, first, deltas, params, request_id: str, chat: bool, timer: RequestTimer, prompt_tokens: int):
         detok = {i: Detokenizer(self.tokenizer, params.stop) for i in range(params.n)}
         base = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": now(), "model": self.model_name}
         if chat:
@@ -204,12 +228,16 @@ class OpenAIIngress:
                 d = await anext(deltas, None)
                 if d is None:
                     break
+                timer.on_delta(d["index"], len(d["token_ids"]))
+            timer.finish(prompt_tokens)
         except Exception as err:  # noqa: BLE001  (mid-stream: report in-band, then end the stream)
             e = self._as_api_error(err)
-            yield sse_event(error_body(e.message, e.param, e.code))
+            metrics.SERVE_REJECTIONS.inc(model=self.model_name, reason=e.reason)
+            log.warning("request %s failed mid-stream: %s", request_id, e.message)
+            yield sse_event({"error": {**error_body(e.message, e.param, e.code)["error"], "request_id": current_request_id()}})
         yield "data: [DONE]\n\n"
 
-    async def _collect(self, first, deltas, params, prompt_ids, request_id: str, chat: bool):
+    async def _collect(self, first, deltas, params, prompt_ids, request_id: str, chat: bool, timer: RequestTimer):
         tokens = {i: [] for i in range(params.n)}
         logprobs = {i: [] for i in range(params.n)}
         final = {}
@@ -221,8 +249,11 @@ class OpenAIIngress:
                 if d["finish_reason"] is not None:
                     final[d["index"]] = d
                 d = await anext(deltas, None)
+                if d is not None:
+                    timer.on_delta(d["index"], len(d["token_ids"]))
         except Exception as err:  # noqa: BLE001
             raise self._as_api_error(err) from None
+        timer.finish(len(prompt_ids))
         choices = []
         for i in range(params.n):
             text, reason = final[i]["text"], final[i]["finish_reason"]

@@ -3,21 +3,36 @@ decode), prefill-only (returns KV payloads) and decode-only (imports them)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
+from functools import partial
 
 from ray import serve
 
 from mlplat.engine import EngineConfig, SamplingParams
 from mlplat.engine.kv_transfer import KVPayload
+from mlplat.observability import catalogue as metrics
+from mlplat.observability.serving import record_engine_stats
 from mlplat.serve.async_engine import AsyncEngine
+
+log = logging.getLogger("mlplat.serve")
+ROLES = {"prefill": "prefill", "decode": "decode"}  # deployment name -> metrics role; any other name serves both: colocated
+
+
+def _deployment_name() -> str:
+    try:
+        return serve.get_replica_context().deployment
+    except Exception:  # noqa: BLE001  (outside a Serve replica, e.g. a unit test)
+        return ""
 
 
 @serve.deployment(max_ongoing_requests=512)
 class EngineServer:
     def __init__(self, engine_config: dict):
-        self.engine = AsyncEngine(EngineConfig(**engine_config))
+        role = ROLES.get(_deployment_name(), "colocated")
+        self.engine = AsyncEngine(EngineConfig(**engine_config), on_stats=partial(record_engine_stats, role=role))
         self.handoffs = {"count": 0, "bytes": 0, "latency_s": 0.0, "import_failures": 0}
 
     async def generate(self, prompt_ids: list[int], params: dict, request_id: str) -> AsyncIterator[dict]:
@@ -31,14 +46,19 @@ class EngineServer:
         """Decode from a prefill server's payload (resolved from the object store in this
         replica, never through the ingress); recompute the prefill here if import fails."""
         sampling = SamplingParams(**params)
+        latency_s = max(0.0, time.time() - payload.created_at)
         self.handoffs["count"] += 1
         self.handoffs["bytes"] += payload.nbytes
-        self.handoffs["latency_s"] += max(0.0, time.time() - payload.created_at)
+        self.handoffs["latency_s"] += latency_s
+        metrics.SERVE_KV_HANDOFF_BYTES.observe(payload.nbytes)
+        metrics.SERVE_KV_HANDOFF_SECONDS.observe(latency_s)
         try:
             stream = self.engine.generate_prefilled(payload, sampling, request_id)
             first = await anext(stream)
-        except ValueError:  # an incompatible payload (shape, dtype); overload (QueueFullError) propagates as 429
+        except ValueError as err:  # an incompatible payload (shape, dtype); overload (QueueFullError) propagates as 429
+            log.warning("request %s: KV payload import failed (%s); recomputing the prefill", request_id, err)
             self.handoffs["import_failures"] += 1
+            metrics.SERVE_KV_HANDOFF_FAILURES.inc()
             stream = self.engine.generate(payload.prompt_token_ids, sampling, request_id)
             first = await anext(stream)
         yield asdict(first)
