@@ -1,5 +1,5 @@
 """Claim: the SFT data pipeline (mlplat.data.sft: Ray Data read -> validate -> chat template
--> tokenize in an actor pool -> pack) beats a single-process loop, packs rows far tighter
+-> tokenize in Ray tasks -> pack) beats a single-process loop, packs rows far tighter
 than padding, keeps Ray's object store bounded on a corpus several times larger than it,
 and keeps the trainer fed. Baseline in the same run: plain Python (``datasets`` is not a
 dependency) on the same corpus, tokenizer, template and ``max_seq_len``: read the JSONL,
@@ -296,7 +296,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="SFT data pipeline vs single-process tokenization")
     parser.add_argument("--quick", action="store_true", help="smaller corpora and SFT run (under 3 minutes)")
     parser.add_argument("--out", default="benchmarks/results/data_ingest.json")
-    parser.add_argument("--concurrency", type=int, default=os.cpu_count() or 1, help="tokenizer actors (default: CPU count)")
+    parser.add_argument("--concurrency", type=int, default=os.cpu_count() or 1, help="tokenizer tasks at once (default: CPU count)")
     args = parser.parse_args()
     logging.getLogger("ray").setLevel(logging.WARNING)
     ctx = ray.data.DataContext.get_current()

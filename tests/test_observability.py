@@ -1,18 +1,23 @@
 """The metrics catalogue, the committed Grafana dashboards generated from it, their provisioning,
-structured logs and the step-time summary. Fast: no Ray cluster, no model (about 3 s in all)."""
+structured logs, the step-time summary and engine-step profiling. Fast: no Ray cluster; the tiny
+model only for `mlplat profile engine`, whose subprocess (imports, a new MLflow store) takes most of the time."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import ClassVar
 
 import httpx
+import mlflow
 import pytest
 import yaml
+from conftest import MLPLAT
 from fastapi import Request
 
 from mlplat.cli import main as cli_main
@@ -260,3 +265,37 @@ def test_step_time_summary():
         "step_time_fraction/optimizer": 0.1, "step_time_fraction/other": 0.1,
     })  # fmt: skip
     assert step_time_summary({}, 0.0) == {}
+
+
+# -- engine profiling --------------------------------------------------------------------------
+def test_profile_engine_logs_a_trace_and_prints_the_top_operators(tiny_model, tracking_uri, tmp_path):
+    args = ["profile", "engine", "--model", str(tiny_model), "--steps", "2", "--wait-steps", "1", "--prompts", "4", "--max-tokens", "16"]
+    env = os.environ | {"MLFLOW_TRACKING_URI": tracking_uri}
+    out = subprocess.run([MLPLAT, *args, "--set", "num_kv_blocks=64"], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "aten::" in out.stdout and "profile/trace.json" in out.stdout
+
+    client = mlflow.MlflowClient(tracking_uri)
+    [run] = client.search_runs([client.get_experiment_by_name("mlplat-profile").experiment_id])
+    assert run.data.tags["mlplat.profile.target"] == "engine" and run.data.params["engine.num_kv_blocks"] == "64"
+    # 4 sequences, one token each per step: 1 skipped + 1 warm-up + 2 recorded steps.
+    assert run.data.metrics["profile/recorded_steps"] == 2 and run.data.metrics["profile/tokens_generated"] == 16
+    assert run.data.metrics["profile/mean_step_s"] > 0
+    trace = json.loads(Path(client.download_artifacts(run.info.run_id, "profile/trace.json", str(tmp_path))).read_text())
+    assert trace["traceEvents"]
+    assert "aten::" in Path(client.download_artifacts(run.info.run_id, "profile/top_operators.txt", str(tmp_path))).read_text()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--model", "/nowhere"], "/nowhere: model directory not found"),
+        (["--steps", "0"], "--steps must be > 0"),
+        (["--set", "no_such_field=1"], "no_such_field: unknown field"),
+    ],
+)
+def test_profile_engine_refuses_bad_input_in_one_line(flags, message, tiny_model, tracking_uri, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["profile", "engine", "--model", str(tiny_model), *flags])  # a later --model wins
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("mlplat: error: ") and message in err and err.count("\n") == 1

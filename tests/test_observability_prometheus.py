@@ -127,7 +127,9 @@ def test_dashboards_show_training_and_serving_through_prometheus(prometheus, tra
     cfg = SFTConfig(
         model=str(tiny_model),
         data=SFTDataConfig(path=str(data), max_seq_len=64),
-        max_steps=6, log_every=2, batch_size_per_worker=8, num_workers=2, checkpoint_every=100, checkpoint_hf=False,
+        # Long enough (~10 s of steps) for the workers to export their gauges at least once: Ray's
+        # processes send metrics to their node's agent every 10 s, and a worker's die with it.
+        max_steps=100, log_every=10, batch_size_per_worker=8, num_workers=2, checkpoint_every=1000, checkpoint_hf=False,
         storage_path=str(tmp_path / "ray_train"), experiment="test-observability", registered_model=None,
         profile=ProfileConfig(steps=2, wait_steps=1, top=10),
     )  # fmt: skip

@@ -104,14 +104,28 @@ def test_grpo_config_refuses_mini_batches_that_do_not_divide_the_samples():
         validate(GRPOConfig, {**base, "num_mini_batches": 5})
 
 
-@pytest.mark.parametrize("recipe", ["reward_model", "dpo", "grpo"])
-def test_a_missing_eval_file_is_a_one_line_error_before_any_run_starts(recipe, tmp_path):
+@pytest.mark.parametrize(("recipe", "config_name"), [("reward_model", "RewardModelConfig"), ("dpo", "DPOConfig"), ("grpo", "GRPOConfig")])
+def test_a_missing_eval_file_is_an_error_before_any_run_starts(recipe, config_name, tmp_path):
+    import importlib
+
+    from mlplat.config import load_config
+    from mlplat.errors import ConfigError
+
+    module = importlib.import_module(f"train_apps.{recipe}")
+    cfg = load_config(getattr(module, config_name), None, ["model=/nowhere", f"data.path={tmp_path}/d.jsonl", f"eval_data={tmp_path}/missing.jsonl"])
+    run = getattr(module, f"run_{recipe}")
+    with pytest.raises(ConfigError, match=f"eval_data: {tmp_path}/missing.jsonl is not a file"):
+        run(cfg, tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", work_dir=tmp_path)  # before /nowhere is even looked at
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_the_cli_prints_it_as_one_line(tmp_path):
     import subprocess
 
     from conftest import MLPLAT
 
     out = subprocess.run(
-        [MLPLAT, "train", recipe, "--set", "model=/nowhere", "--set", f"data.path={tmp_path}/d.jsonl", "--set", f"eval_data={tmp_path}/missing.jsonl"],
+        [MLPLAT, "train", "dpo", "--set", "model=/nowhere", "--set", f"data.path={tmp_path}/d.jsonl", "--set", f"eval_data={tmp_path}/missing.jsonl"],
         check=False, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 2, out.stderr

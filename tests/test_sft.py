@@ -1,4 +1,4 @@
-"""The SFT recipe on a real local Ray cluster (2 DDP workers, gloo) tracked in a real MLflow store."""
+"""The SFT recipe on a real local Ray cluster (2 DDP workers, gloo) tracked in a real MLflow store: a run, its exact resume, LoRA."""
 
 import subprocess
 from pathlib import Path
@@ -11,14 +11,24 @@ from safetensors.torch import load_file
 
 from mlplat.data.sft import SFTDataConfig
 from mlplat.models import load_model
-from mlplat.train.checkpoint import MODEL_DIR, SHARDED_DIR, TRAIN_STATE
+from mlplat.train.checkpoint import MODEL_DIR, SHARDED_DIR, TRAIN_STATE, export_checkpoint
 from mlplat.train.lora import LoRAConfig
 from mlplat.train.optim import OptimizerConfig
 from train_apps.sft import SFTConfig, run_sft
 
 
-@pytest.mark.slow
-def test_sft_on_two_workers_improves_loss_and_registers(ray_cluster, tracking_uri, demo_data, tiny_model, tmp_path):
+def _checkpoint_at(storage: Path, step: int) -> Path:
+    for ckpt in storage.glob("sft-*/checkpoint_*"):
+        if (ckpt / TRAIN_STATE).is_file() and torch.load(ckpt / TRAIN_STATE, weights_only=True)["state"]["step"] == step:
+            return ckpt
+    raise AssertionError(f"no checkpoint at step {step} under {storage}")
+
+
+@pytest.fixture(scope="module")
+def two_worker_run(ray_cluster, demo_data, tiny_model, tmp_path_factory):
+    """One 60-step run on 2 DDP workers, inspected by the tests below (a Ray Train job costs ~40 s to start here)."""
+    tmp = tmp_path_factory.mktemp("sft")
+    tracking_uri = f"sqlite:///{tmp / 'mlflow.db'}"
     cfg = SFTConfig(
         model=str(tiny_model),
         data=SFTDataConfig(path=str(demo_data.sft), pack=True, max_seq_len=128),  # the quickstart covers unpacked
@@ -29,11 +39,16 @@ def test_sft_on_two_workers_improves_loss_and_registers(ray_cluster, tracking_ur
         log_every=10,
         checkpoint_every=20,
         num_checkpoints_to_keep=2,
-        storage_path=str(tmp_path / "ray_train"),
+        storage_path=str(tmp / "ray_train"),
         experiment="test-sft",
         registered_model="test-sft-model",
     )
-    result = run_sft(cfg, tracking_uri=tracking_uri, work_dir=tmp_path / "outputs")
+    return cfg, run_sft(cfg, tracking_uri=tracking_uri, work_dir=tmp / "outputs"), tracking_uri, tmp
+
+
+@pytest.mark.slow
+def test_sft_on_two_workers_improves_loss_and_registers(two_worker_run, tiny_model):
+    _, result, tracking_uri, tmp_path = two_worker_run
 
     # Learning happened: the step-60 loss is well below the step-10 loss.
     assert result.final_loss < 0.8 * result.first_loss, (result.first_loss, result.final_loss)
@@ -70,6 +85,29 @@ def test_sft_on_two_workers_improves_loss_and_registers(ray_cluster, tracking_ur
         assert (ckpt / SHARDED_DIR / ".metadata").is_file()
     state = torch.load(checkpoints[-1] / TRAIN_STATE, weights_only=True)["state"]
     assert state["step"] == 60 and state["data"]["rows_consumed"] == 60 * 16
+
+
+@pytest.mark.slow
+def test_resume_from_checkpoint_reproduces_the_straight_run(two_worker_run, tmp_path):
+    cfg, straight, tracking_uri, run_dir = two_worker_run
+    # A new job from the step-40 checkpoint (sharded DCP + data position) redoes steps 41..60.
+    ckpt = _checkpoint_at(run_dir / "ray_train", 40)
+    exported = export_checkpoint(ckpt, tmp_path / "exported")  # from the DCP shards, on one process
+    for name, tensor in load_file(ckpt / MODEL_DIR / "model.safetensors").items():
+        torch.testing.assert_close(load_file(exported / "model.safetensors")[name], tensor, rtol=0, atol=0)
+    resumed_cfg = cfg.model_copy(update={"resume_from": str(ckpt), "storage_path": str(tmp_path / "ray_train"), "registered_model": None})
+    resumed = run_sft(resumed_cfg, tracking_uri, tmp_path / "out")
+
+    client = MlflowClient(tracking_uri)
+    losses = {m.step: m.value for m in client.get_metric_history(straight.run_id, "loss")}
+    resumed_losses = {m.step: m.value for m in client.get_metric_history(resumed.run_id, "loss")}
+    assert sorted(resumed_losses) == [50, 60]  # the windows of steps 41..50 and 51..60, as in the straight run
+    for step in (50, 60):
+        assert resumed_losses[step] == pytest.approx(losses[step], rel=1e-5, abs=1e-6), step
+    assert client.get_metric_history(resumed.run_id, "restored_from_step")[0].value == 40
+    # The same batches in the same order and the same optimizer state: the weights at the end agree too.
+    for name, tensor in load_file(Path(straight.model_dir) / "model.safetensors").items():
+        torch.testing.assert_close(load_file(Path(resumed.model_dir) / "model.safetensors")[name], tensor, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.slow

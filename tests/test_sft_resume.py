@@ -1,4 +1,4 @@
-"""SFT that survives: exact resume from a checkpoint, restart after a killed worker, NaN abort.
+"""SFT that survives: restart after a killed worker, NaN abort (exact resume: tests/test_sft.py).
 
 All on the real local Ray cluster with 2 gloo workers; losses come from the real MLflow store.
 """
@@ -8,16 +8,12 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import psutil
 import pytest
-import torch
 from mlflow.tracking import MlflowClient
-from safetensors.torch import load_file
 
 from mlplat.data.sft import SFTDataConfig
-from mlplat.train.checkpoint import MODEL_DIR, TRAIN_STATE, export_checkpoint
 from mlplat.train.optim import OptimizerConfig
 from train_apps.sft import SFTConfig, run_sft
 
@@ -42,34 +38,6 @@ def _config(demo_data, tiny_model, tmp_path, **overrides) -> SFTConfig:
 
 def _losses(tracking_uri: str, run_id: str) -> dict[int, float]:
     return {m.step: m.value for m in MlflowClient(tracking_uri).get_metric_history(run_id, "loss")}
-
-
-def _checkpoint_at(storage: Path, step: int) -> Path:
-    for ckpt in storage.glob("sft-*/checkpoint_*"):
-        if (ckpt / TRAIN_STATE).is_file() and torch.load(ckpt / TRAIN_STATE, weights_only=True)["state"]["step"] == step:
-            return ckpt
-    raise AssertionError(f"no checkpoint at step {step} under {storage}")
-
-
-@pytest.mark.slow
-def test_resume_from_checkpoint_reproduces_the_straight_run(ray_cluster, tracking_uri, demo_data, tiny_model, tmp_path):
-    straight = run_sft(_config(demo_data, tiny_model, tmp_path), tracking_uri, tmp_path / "out")
-    losses = _losses(tracking_uri, straight.run_id)
-    assert sorted(losses) == list(range(1, 21))
-
-    # A new job from the step-10 checkpoint (sharded DCP + data position) redoes steps 11..20.
-    ckpt = _checkpoint_at(tmp_path / "ray_train", 10)
-    exported = export_checkpoint(ckpt, tmp_path / "exported")  # from the DCP shards, on one process
-    for name, tensor in load_file(ckpt / MODEL_DIR / "model.safetensors").items():
-        torch.testing.assert_close(load_file(exported / "model.safetensors")[name], tensor, rtol=0, atol=0)
-    resumed = run_sft(_config(demo_data, tiny_model, tmp_path, resume_from=str(ckpt)), tracking_uri, tmp_path / "out")
-    resumed_losses = _losses(tracking_uri, resumed.run_id)
-    assert sorted(resumed_losses) == list(range(11, 21))
-    for step in range(11, 21):
-        assert resumed_losses[step] == pytest.approx(losses[step], rel=1e-5, abs=1e-6), step
-    # And the weights at the end agree too.
-    for name, tensor in load_file(Path(straight.model_dir) / "model.safetensors").items():
-        torch.testing.assert_close(load_file(Path(resumed.model_dir) / "model.safetensors")[name], tensor, rtol=1e-4, atol=1e-6)
 
 
 def _train_worker_pids() -> list[int]:
@@ -132,6 +100,6 @@ def test_killed_worker_restores_from_last_checkpoint_and_finishes(ray_cluster, t
 
 @pytest.mark.slow
 def test_diverging_run_aborts_with_a_clear_message(ray_cluster, tracking_uri, demo_data, tiny_model, tmp_path):
-    cfg = _config(demo_data, tiny_model, tmp_path, optim=OptimizerConfig(lr=1e30, warmup_steps=1), max_bad_steps_in_row=3)
+    cfg = _config(demo_data, tiny_model, tmp_path, optim=OptimizerConfig(lr=1e30, warmup_steps=1), max_bad_steps_in_row=3, num_workers=1)
     with pytest.raises(Exception, match="not finite for 3 steps in a row"):
         run_sft(cfg, tracking_uri, tmp_path / "out")

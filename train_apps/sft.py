@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Literal
@@ -48,12 +47,12 @@ from mlplat.observability import catalogue as metrics_catalogue
 from mlplat.observability.profiling import ProfileConfig, StepProfiler, step_time_summary
 from mlplat.runtime import init_ray
 from mlplat.tracking import ModelRef, RunLogger, register_model_dir, resolve_model, start_run
-from mlplat.train.checkpoint import MODEL_DIR, TRAIN_STATE, CheckpointFormat, CheckpointMeta, TrainState, load_checkpoint, save_checkpoint
+from mlplat.train.checkpoint import MODEL_DIR, TRAIN_STATE, CheckpointFormat, CheckpointMeta, TrainState, load_checkpoint
 from mlplat.train.lora import LoRAConfig, apply_lora
 from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer
 from mlplat.train.parallel import ParallelConfig, parallelize, unwrap
 from mlplat.train.perf import PhaseTimer, flops_per_token, measure_cpu_peak_flops, peak_flops
-from mlplat.train.recipe import git_commit
+from mlplat.train.recipe import git_commit, report
 from mlplat.train.step import StepStats, train_step
 
 
@@ -190,7 +189,7 @@ def _train(cfg: SFTConfig, config: dict, rank: int, world_size: int, logger: Run
                 logger.log_metrics(metrics | (step_time_summary(window.total_phase_s, window.total_step_s) if last else {}), step=state.step)
             gauges.set(metrics, window.steps, window.skipped)
             save = state.step % cfg.checkpoint_every == 0 or last
-            _report({"step": state.step, **metrics}, save, meta, model, optimizer, scheduler, state, tokenizer, export_hf=cfg.checkpoint_hf or last)
+            report({"step": state.step, **metrics}, (model, optimizer, scheduler, state, meta, tokenizer) if save else None, export_hf=cfg.checkpoint_hf or last)
             window = window.next()
         health.step_done()
     if profiler:
@@ -281,16 +280,6 @@ class _Gauges:
         m.TRAIN_MFU.set(metrics["mfu"], **self.job)
         m.TRAIN_STEPS.inc(steps, **self.job)
         m.TRAIN_SKIPPED_STEPS.inc(skipped, **self.job)
-
-
-def _report(metrics, save: bool, meta: CheckpointMeta, model, optimizer, scheduler, state: TrainState, tokenizer, export_hf: bool) -> None:
-    """Report metrics from every rank; with ``save``, every rank writes its part of a checkpoint."""
-    if not save:
-        ray.train.report(metrics)
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        save_checkpoint(Path(tmp), model, optimizer, scheduler, state, meta, tokenizer, export_hf)
-        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp) if any(Path(tmp).iterdir()) else None)
 
 
 def run_sft(cfg: SFTConfig, tracking_uri: str | None = None, work_dir: str | Path = "outputs") -> SFTResult:

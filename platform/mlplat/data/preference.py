@@ -30,7 +30,7 @@ SIDES = ("chosen", "rejected")
 
 class PreferenceDataConfig(DataConfig):
     max_seq_len: int = 256  # per side: prompt + response, truncated on the right
-    tokenize_concurrency: int | None = None  # tokenizer actors; None: autoscale from 1 to the cluster's CPUs
+    tokenize_concurrency: int | None = None  # tokenizer tasks at once; None: as many as the cluster has free CPUs
     chat_template: str | None = None  # Jinja string or .jinja file used instead of the checkpoint's
 
 
@@ -85,7 +85,7 @@ def tokenize_preference(tokenizer, row: dict, max_seq_len: int) -> dict[str, lis
 
 
 class PreferenceTokenizer:
-    """Ray Data map_batches UDF: loads the tokenizer (and template override) once per actor."""
+    """Ray Data map_batches UDF: loads the tokenizer (and template override) once per worker process (mlplat.data.ingest.tokenize_rows)."""
 
     def __init__(self, tokenizer_path: str, max_seq_len: int, chat_template: str | None = None):
         self.tokenizer = load_chat_tokenizer(tokenizer_path, chat_template)

@@ -35,14 +35,14 @@ __all__ = ["ChatTokenizer", "DataReport", "PadCollate", "SFTDataConfig", "Source
 class SFTDataConfig(DataConfig):
     # path / sources: JSONL or Parquet files, directories or globs; local or any pyarrow filesystem URI
     max_seq_len: int = 128
-    tokenize_concurrency: int | None = None  # tokenizer actors; None: autoscale from 1 to the cluster's CPUs
+    tokenize_concurrency: int | None = None  # tokenizer tasks at once; None: as many as the cluster has free CPUs
     pack: bool = False  # pack examples into max_seq_len rows (no cross-document attention or loss)
     pack_window_rows: int = 1024  # examples packed together (first-fit-decreasing) per window
     chat_template: str | None = None  # Jinja string or .jinja file used instead of the checkpoint's
 
 
 class ChatTokenizer:
-    """Ray Data map_batches UDF: loads the tokenizer (and template override) once per actor."""
+    """Ray Data map_batches UDF: loads the tokenizer (and template override) once per worker process (mlplat.data.ingest.tokenize_rows)."""
 
     def __init__(self, tokenizer_path: str, max_seq_len: int, chat_template: str | None = None):
         self.tokenizer = load_chat_tokenizer(tokenizer_path, chat_template)

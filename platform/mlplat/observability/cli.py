@@ -1,4 +1,4 @@
-"""``mlplat dashboards export|install`` and ``mlplat profile``."""
+"""``mlplat dashboards export|install`` and ``mlplat profile sft|engine``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 from mlplat.errors import MlplatError
 
 DEFAULT_OUT = "dashboards"
+PROFILE_EXPERIMENT = "mlplat-profile"  # engine profiles; SFT profiles live in their SFT run
 
 
 def add_commands(sub) -> None:
@@ -24,13 +25,29 @@ def add_commands(sub) -> None:
     p.add_argument("--prometheus-url", default=None, help="the data source's URL (default: $RAY_PROMETHEUS_HOST or http://localhost:9090)")
     p.add_argument("--token-env", default="GRAFANA_TOKEN", help="environment variable holding a service-account token or user:password")
 
-    p = sub.add_parser("profile", help="profile a few training steps with torch.profiler (trace + top operators in MLflow)")
-    p.add_argument("recipe", choices=["sft"], help="the recipe to profile")
+    profile = sub.add_parser("profile", help="profile a few training or engine steps with torch.profiler (trace + top operators in MLflow)")
+    targets = profile.add_subparsers(dest="target", required=True, metavar="TARGET", help="what to profile")
+    p = targets.add_parser("sft", help="SFT training steps on rank 0, in the SFT run")
     p.add_argument("--config", help="YAML config file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config field (repeatable)")
     p.add_argument("--steps", type=int, default=3, help="steps recorded (default 3)")
     p.add_argument("--wait-steps", type=int, default=2, help="steps skipped before recording (default 2), then one warm-up step")
     p.add_argument("--address", help="Ray cluster address (default: start a local one)")
+    p = targets.add_parser(
+        "engine",
+        help="the native inference engine's steps on synthetic prompts, in experiment " + PROFILE_EXPERIMENT,
+        description="Steps the native engine on synthetic prompts under torch.profiler. An engine step mixes prefill chunks and "
+        "decodes: the first steps are prefill-heavy, later ones pure decode. The first step is never recorded (skipped or the "
+        "warm-up), so to see prefill spread it over steps: --wait-steps 0 --set max_num_batched_tokens=128. See docs/observability.md.",
+    )
+    p.add_argument("--model", required=True, help="HF checkpoint directory or models:/NAME/VERSION|@ALIAS")
+    p.add_argument("--prompts", type=int, default=8, help="requests submitted at once (default 8)")
+    p.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt, random from the vocabulary, seeded (default 64)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens per request, EOS ignored; raised to cover the schedule (default 32)")
+    p.add_argument("--steps", type=int, default=5, help="engine steps recorded (default 5)")
+    p.add_argument("--wait-steps", type=int, default=2, help="engine steps skipped before recording (default 2), then one warm-up step")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override an EngineConfig field, e.g. --set quantization=int8 --set device=cuda (repeatable)")
 
 
 def run_command(args: argparse.Namespace) -> None:
@@ -47,8 +64,10 @@ def run_command(args: argparse.Namespace) -> None:
         else:
             for url in provisioning.install(args.grafana_url, args.token_env, prometheus_url):
                 print(url)
-    elif args.command == "profile":
+    elif args.command == "profile" and args.target == "sft":
         _profile(args)
+    elif args.command == "profile" and args.target == "engine":
+        _profile_engine(args)
 
 
 def _export(out: Path, check: bool) -> None:
@@ -89,3 +108,52 @@ def _profile(args: argparse.Namespace) -> None:
     local = client.download_artifacts(result.run_id, f"{ARTIFACT_DIR}/{TOP_OPERATORS}")
     print(Path(local).read_text())
     print(f"trace: MLflow run {result.run_id}, artifacts {ARTIFACT_DIR}/trace.json (open in https://ui.perfetto.dev)")
+
+
+def _profile_engine(args: argparse.Namespace) -> None:
+    from mlplat.config import apply_overrides, to_flat_params, validate
+    from mlplat.engine import EngineConfig, LLMEngine, SamplingParams
+    from mlplat.observability.profiling import ARTIFACT_DIR, ProfileConfig, profile_engine, synthetic_prompts
+    from mlplat.tracking import RunLogger, default_tracking_uri, resolve_model, start_run
+
+    counts = {"--prompts": args.prompts, "--prompt-len": args.prompt_len, "--max-tokens": args.max_tokens, "--steps": args.steps}
+    for flag, value in counts.items():
+        if value <= 0:
+            raise MlplatError(f"{flag} must be > 0, got {value}")
+    if args.wait_steps < 0:
+        raise MlplatError(f"--wait-steps must be >= 0, got {args.wait_steps}")
+    if any(o.partition("=")[0] == "model" for o in args.overrides):
+        raise MlplatError("--set model=...: give the model with --model")
+    tracking_uri = default_tracking_uri()
+    model_dir = resolve_model(args.model, tracking_uri=tracking_uri)
+    engine_cfg = validate(EngineConfig, apply_overrides({"model": str(model_dir)}, args.overrides), "--set")
+    if args.prompts > engine_cfg.max_waiting:
+        raise MlplatError(f"--prompts {args.prompts} exceeds the engine's queue (max_waiting={engine_cfg.max_waiting})")
+    profile = ProfileConfig(steps=args.steps, wait_steps=args.wait_steps)
+    # A sequence gains one token per step, so requests this long outlive the schedule
+    # (speculative decoding can end them sooner: what was recorded is saved then).
+    max_tokens = max(args.max_tokens, profile.wait_steps + 1 + profile.steps)
+    engine = LLMEngine(engine_cfg)
+    context = min(engine.runner.max_model_len, engine.runner.num_blocks * engine_cfg.block_size)
+    if args.prompt_len + max_tokens > context:
+        raise MlplatError(f"--prompt-len {args.prompt_len} + {max_tokens} generated tokens exceed the engine's context of {context} tokens")
+    prompts = synthetic_prompts(engine.tokenizer, args.prompts, args.prompt_len)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    workload = {"workload.prompts": args.prompts, "workload.prompt_len": args.prompt_len, "workload.max_tokens": max_tokens}
+    run_params = to_flat_params(engine_cfg, "engine.") | to_flat_params(profile, "profile.") | workload
+    tags = {"mlplat.profile.target": "engine", "mlplat.base_model": args.model}
+    run_id = start_run(PROFILE_EXPERIMENT, "profile-engine", params=run_params, tags=tags, tracking_uri=tracking_uri)
+    logger = RunLogger(run_id, tracking_uri)
+    try:
+        result = profile_engine(engine, prompts, params, profile, logger)
+    except BaseException:
+        logger.end("FAILED")
+        raise
+    logger.end()
+    print(result.top_operators or "no steps recorded: the requests finished before recording began")
+    if result.recorded_steps < profile.steps:
+        print(f"note: the requests ran out after {result.engine_steps} steps, {result.recorded_steps} of {profile.steps} recorded")
+    if result.mean_step_seconds is not None:
+        print(f"engine: {result.mean_step_seconds * 1e3:.1f} ms per recorded step (profiler overhead included), "
+              f"{result.tokens_generated} tokens generated in {result.engine_steps} steps")  # fmt: skip
+    print(f"trace: MLflow run {run_id} (experiment {PROFILE_EXPERIMENT}), artifacts {ARTIFACT_DIR}/trace.json (open in https://ui.perfetto.dev)")

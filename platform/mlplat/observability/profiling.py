@@ -1,10 +1,17 @@
-"""Where training time goes: a torch profiler trace of a few steps, and a whole-run step-time summary.
+"""Where time goes: a torch profiler trace of a few training or engine steps, and a whole-run step-time summary.
 
 ``profile: {steps: 3}`` in an SFT config (or ``mlplat profile sft --config ... --steps 3``)
 profiles rank 0 for that many steps after ``wait_steps`` (start-up, first-step compilation
 and allocator warm-up would otherwise dominate). The Chrome/Perfetto trace goes to the run's
 MLflow artifacts under ``profile/`` (open it at https://ui.perfetto.dev or chrome://tracing)
 with ``top_operators.txt``, the operators ranked by self time.
+
+:func:`profile_engine` (``mlplat profile engine --model ...``) does the same for the native
+inference engine's steps, with the same schedule. An engine step mixes prefill chunks and
+decodes, so the first steps are prefill-heavy and later ones pure decode: ``wait_steps``
+picks which the trace shows. The first step is never recorded (skipped or the warm-up), so a
+prefill that fits one step's token budget is not in the trace; a smaller
+``max_num_batched_tokens`` spreads it over several.
 
 :func:`step_time_summary` turns the recipe's per-phase seconds into the fractions a reader
 wants first: data, compute (forward + backward), communication, optimizer, other.
@@ -13,12 +20,21 @@ wants first: data, compute (forward + backward), communication, optimizer, other
 from __future__ import annotations
 
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from pydantic import Field
 
 from mlplat.config import Config
+
+if TYPE_CHECKING:  # the engine and tokenizer stay unimported for training workers that only profile steps
+    from transformers import PreTrainedTokenizerBase
+
+    from mlplat.engine import LLMEngine, RequestOutput, SamplingParams
+    from mlplat.tracking import RunLogger
 
 ARTIFACT_DIR = "profile"
 TOP_OPERATORS = "top_operators.txt"
@@ -37,6 +53,7 @@ class StepProfiler:
 
     def __init__(self, cfg: ProfileConfig, device: torch.device, logger):
         self.cfg, self.logger, self.done = cfg, logger, False
+        self.report: str | None = None  # the top_operators.txt text, once the trace is saved
         self.cuda = device.type == "cuda"
         activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if self.cuda else [])
         schedule = torch.profiler.schedule(wait=cfg.wait_steps, warmup=1, active=cfg.steps, repeat=1)
@@ -61,11 +78,86 @@ class StepProfiler:
         with tempfile.TemporaryDirectory() as tmp:
             trace = Path(tmp) / "trace.json"
             prof.export_chrome_trace(str(trace))
-            (Path(tmp) / TOP_OPERATORS).write_text(
-                f"torch profiler, {self.cfg.steps} steps after {self.cfg.wait_steps + 1}, sorted by {sort}\n{table}\n"
-            )
+            self.report = f"torch profiler, {self.cfg.steps} steps after {self.cfg.wait_steps + 1}, sorted by {sort}\n{table}\n"
+            (Path(tmp) / TOP_OPERATORS).write_text(self.report)
             if self.logger:
                 self.logger.log_artifacts(tmp, ARTIFACT_DIR)
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    """What :func:`profile_engine` measured. Step times include the profiler's overhead: compare them only with each other."""
+
+    engine_steps: int  # steps run, skipped and warm-up ones included
+    recorded_steps: int  # fewer than ProfileConfig.steps when the requests ran out first
+    mean_step_seconds: float | None  # over the recorded steps; None if none was recorded
+    tokens_generated: int  # over all steps run
+    top_operators: str | None  # the top_operators.txt text; None if the requests ran out before recording began
+
+
+def synthetic_prompts(tokenizer: PreTrainedTokenizerBase, count: int, length: int, seed: int = 0) -> list[list[int]]:
+    """``count`` random token-id prompts of ``length`` tokens, no special tokens, the same for the same seed.
+
+    Random, hence distinct: prefix caching cannot skip their prefill as it would for repeated text."""
+    vocab = torch.arange(len(tokenizer))
+    allowed = vocab[~torch.isin(vocab, torch.tensor(tokenizer.all_special_ids, dtype=torch.long))]
+    picks = torch.randint(len(allowed), (count, length), generator=torch.Generator().manual_seed(seed))
+    return allowed[picks].tolist()
+
+
+def profile_engine(
+    engine: LLMEngine, prompts: list[str | list[int]], params: SamplingParams, cfg: ProfileConfig, logger: RunLogger | None = None
+) -> EngineProfile:
+    """Submit ``prompts``, then step the engine under :class:`StepProfiler`: ``cfg.wait_steps`` skipped,
+    one warm-up, ``cfg.steps`` recorded. The trace and top operators go to ``logger`` under ``profile/``
+    with the ``profile/*`` metrics.
+
+    Steps stop when the schedule completes or the requests run out (whatever was recorded is saved);
+    the prompts' unfinished requests are then aborted, so none outlives the call. Each sequence gains
+    one token per step (more with speculative decoding), so ``ignore_eos=True`` and ``max_tokens`` of at
+    least ``wait_steps + 1 + steps`` record every step."""
+    schedule_steps = cfg.wait_steps + 1 + cfg.steps
+    request_ids: list[str] = []
+    finished: list[RequestOutput] = []
+    step_seconds: list[float] = []
+    try:
+        for prompt in prompts:
+            request_ids.append(engine.add_request(prompt, params))
+        profiler = StepProfiler(cfg, torch.device(engine.cfg.device), logger)
+        try:
+            while len(step_seconds) < schedule_steps and engine.has_unfinished:
+                start = time.perf_counter()
+                finished += engine.step()
+                # step() ends by reading the sampled tokens on the host, so on GPU this waits for the step's kernels;
+                # taken before profiler.step(), which may export the trace.
+                step_seconds.append(time.perf_counter() - start)
+                profiler.step()
+        finally:
+            profiler.close()
+        ours = set(request_ids)
+        tokens = sum(len(c.sampled_token_ids) for out in finished if out.request_id in ours for c in out.outputs)
+        tokens += sum(seq.num_output_tokens for rid in request_ids for seq in engine.requests.get(rid, []))
+    finally:
+        for rid in request_ids:
+            engine.abort(rid)  # a no-op for finished ones
+    recorded = step_seconds[cfg.wait_steps + 1 :]
+    result = EngineProfile(
+        engine_steps=len(step_seconds),
+        recorded_steps=len(recorded),
+        mean_step_seconds=sum(recorded) / len(recorded) if recorded else None,
+        tokens_generated=tokens,
+        top_operators=profiler.report,
+    )
+    if logger:
+        metrics = {
+            "profile/engine_steps": result.engine_steps,
+            "profile/recorded_steps": result.recorded_steps,
+            "profile/tokens_generated": result.tokens_generated,
+        }
+        if result.mean_step_seconds is not None:
+            metrics["profile/mean_step_s"] = result.mean_step_seconds
+        logger.log_metrics(metrics)
+    return result
 
 
 def step_time_summary(phase_seconds: dict[str, float], step_seconds: float) -> dict[str, float]:

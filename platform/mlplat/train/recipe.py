@@ -137,15 +137,19 @@ class RecipeRun:
         return final_dir, version
 
 
-def report(metrics: dict, checkpoint: tuple | None = None) -> None:
-    """``ray.train.report`` from every rank; ``checkpoint=(model, optimizer, scheduler, state, meta, tokenizer)``
-    writes this rank's part of a checkpoint (with the servable HF export) first."""
+def report(metrics: dict, checkpoint: tuple | None = None, export_hf: bool = True) -> None:
+    """Every rank writes its part of a checkpoint, ``(model, optimizer, scheduler, state, meta, tokenizer)``
+    (with the servable HF export), and reports it to Ray Train with the metrics.
+
+    Without a checkpoint nothing is reported: metrics already reach MLflow and Prometheus from
+    the loop, and a report blocks the step until Ray Train's controller polls the workers
+    (every 2 s by default), a stall in every log window.
+    """
     if checkpoint is None:
-        ray.train.report(metrics)
         return
     model, optimizer, scheduler, state, meta, tokenizer = checkpoint
     with tempfile.TemporaryDirectory() as tmp:
-        save_checkpoint(Path(tmp), model, optimizer, scheduler, state, meta, tokenizer, export_hf=True)
+        save_checkpoint(Path(tmp), model, optimizer, scheduler, state, meta, tokenizer, export_hf=export_hf)
         ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp) if any(Path(tmp).iterdir()) else None)
 
 
