@@ -41,7 +41,7 @@ from mlplat.train.checkpoint import CheckpointMeta
 from mlplat.train.losses import dpo_loss, sequence_logprobs
 from mlplat.train.optim import OptimizerConfig
 from mlplat.train.parallel import unwrap
-from mlplat.train.recipe import MetricWindow, RecipeConfig, RecipeRun, report, trainable, worker_setup
+from mlplat.train.recipe import MetricWindow, RecipeConfig, RecipeRun, save_and_report, trainable, worker_setup
 
 
 class DPOConfig(RecipeConfig):
@@ -110,7 +110,8 @@ def train_loop_per_worker(config: dict) -> None:
             if logger:
                 logger.log_metrics(metrics, step=state.step)
             save = state.step % cfg.checkpoint_every == 0 or last
-            report({"step": state.step, **metrics}, (policy, optimizer, scheduler, state, meta, tokenizer) if save else None)
+            if save:
+                save_and_report({"step": state.step, **metrics}, (policy, optimizer, scheduler, state, meta, tokenizer))
 
 
 def _prefixed(margins: HeldOutMargins, prefix: str) -> dict[str, float]:

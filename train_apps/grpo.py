@@ -56,7 +56,7 @@ from mlplat.train.checkpoint import CheckpointMeta
 from mlplat.train.losses import group_advantages, grpo_loss, token_logprobs
 from mlplat.train.optim import OptimizerConfig
 from mlplat.train.parallel import full_state_dict
-from mlplat.train.recipe import MetricWindow, RecipeConfig, RecipeRun, reduce_over_ranks, report, trainable, worker_setup
+from mlplat.train.recipe import MetricWindow, RecipeConfig, RecipeRun, reduce_over_ranks, save_and_report, trainable, worker_setup
 
 
 class GRPOConfig(RecipeConfig):
@@ -219,7 +219,8 @@ def train_loop_per_worker(config: dict) -> None:
                 logger.log_metrics(metrics, step=state.step)
                 export_metrics(metrics, config["run_id"])
             save = state.step % cfg.checkpoint_every == 0 or last
-            report({"step": state.step, **metrics}, (policy, optimizer, scheduler, state, meta, tokenizer) if save else None)
+            if save:
+                save_and_report({"step": state.step, **metrics}, (policy, optimizer, scheduler, state, meta, tokenizer))
 
 
 def export_metrics(metrics: dict[str, float], run_id: str) -> None:

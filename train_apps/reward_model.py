@@ -33,7 +33,7 @@ from mlplat.tracking import ModelRef, RunLogger
 from mlplat.train.checkpoint import CheckpointMeta
 from mlplat.train.losses import bradley_terry_loss
 from mlplat.train.parallel import unwrap
-from mlplat.train.recipe import MetricWindow, RecipeConfig, RecipeRun, report, trainable, worker_setup
+from mlplat.train.recipe import MetricWindow, RecipeConfig, RecipeRun, save_and_report, trainable, worker_setup
 
 
 class RewardModelConfig(RecipeConfig):
@@ -86,7 +86,8 @@ def train_loop_per_worker(config: dict) -> None:
             if logger:
                 logger.log_metrics(metrics, step=state.step)
             save = state.step % cfg.checkpoint_every == 0 or last
-            report({"step": state.step, **metrics}, (model, optimizer, scheduler, state, meta, tokenizer) if save else None)
+            if save:
+                save_and_report({"step": state.step, **metrics}, (model, optimizer, scheduler, state, meta, tokenizer))
 
 
 @torch.no_grad()

@@ -52,7 +52,7 @@ from mlplat.train.lora import LoRAConfig, apply_lora
 from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer
 from mlplat.train.parallel import ParallelConfig, parallelize, unwrap
 from mlplat.train.perf import PhaseTimer, flops_per_token, measure_cpu_peak_flops, peak_flops
-from mlplat.train.recipe import git_commit, report
+from mlplat.train.recipe import git_commit, save_and_report
 from mlplat.train.step import StepStats, train_step
 
 
@@ -189,7 +189,8 @@ def _train(cfg: SFTConfig, config: dict, rank: int, world_size: int, logger: Run
                 logger.log_metrics(metrics | (step_time_summary(window.total_phase_s, window.total_step_s) if last else {}), step=state.step)
             gauges.set(metrics, window.steps, window.skipped)
             save = state.step % cfg.checkpoint_every == 0 or last
-            report({"step": state.step, **metrics}, (model, optimizer, scheduler, state, meta, tokenizer) if save else None, export_hf=cfg.checkpoint_hf or last)
+            if save:
+                save_and_report({"step": state.step, **metrics}, (model, optimizer, scheduler, state, meta, tokenizer), export_hf=cfg.checkpoint_hf or last)
             window = window.next()
         health.step_done()
     if profiler:

@@ -235,12 +235,12 @@ def prepare_rows(cfg: DataConfig, task: Task, rejects_dir: str | Path) -> tuple[
 
 
 @functools.cache
-def _tokenizer_udf(tokenizer_udf: type, tokenizer_path: str, max_seq_len: int, chat_template: str | None):
+def _cached_tokenizer(tokenizer_udf: type, tokenizer_path: str, max_seq_len: int, chat_template: str | None):
     return tokenizer_udf(tokenizer_path, max_seq_len, chat_template)
 
 
 def _tokenize(batch: dict, tokenizer_udf: type, tokenizer_path: str, max_seq_len: int, chat_template: str | None) -> dict:
-    return _tokenizer_udf(tokenizer_udf, tokenizer_path, max_seq_len, chat_template)(batch)
+    return _cached_tokenizer(tokenizer_udf, tokenizer_path, max_seq_len, chat_template)(batch)
 
 
 def tokenize_rows(rows: ray.data.Dataset, tokenizer_udf: type, tokenizer_path: str, max_seq_len: int,

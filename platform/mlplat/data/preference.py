@@ -17,6 +17,7 @@ import numpy as np
 import ray
 import ray.data
 import torch
+from pydantic import Field
 from ray.data.collate_fn import NumpyBatchCollateFn
 
 from mlplat.data.chat import assistant_mask, load_chat_tokenizer, resolve_chat_template
@@ -30,7 +31,7 @@ SIDES = ("chosen", "rejected")
 
 class PreferenceDataConfig(DataConfig):
     max_seq_len: int = 256  # per side: prompt + response, truncated on the right
-    tokenize_concurrency: int | None = None  # tokenizer tasks at once; None: as many as the cluster has free CPUs
+    tokenize_concurrency: int | None = Field(default=None, gt=0)  # tokenizer tasks at once; None: as many as the cluster has free CPUs
     chat_template: str | None = None  # Jinja string or .jinja file used instead of the checkpoint's
 
 

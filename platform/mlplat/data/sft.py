@@ -16,6 +16,7 @@ import numpy as np
 import ray
 import ray.data
 import torch
+from pydantic import Field
 from ray.data.collate_fn import NumpyBatchCollateFn
 
 from mlplat.data.chat import load_chat_tokenizer, resolve_chat_template, tokenize_chat
@@ -35,7 +36,7 @@ __all__ = ["ChatTokenizer", "DataReport", "PadCollate", "SFTDataConfig", "Source
 class SFTDataConfig(DataConfig):
     # path / sources: JSONL or Parquet files, directories or globs; local or any pyarrow filesystem URI
     max_seq_len: int = 128
-    tokenize_concurrency: int | None = None  # tokenizer tasks at once; None: as many as the cluster has free CPUs
+    tokenize_concurrency: int | None = Field(default=None, gt=0)  # tokenizer tasks at once; None: as many as the cluster has free CPUs
     pack: bool = False  # pack examples into max_seq_len rows (no cross-document attention or loss)
     pack_window_rows: int = 1024  # examples packed together (first-fit-decreasing) per window
     chat_template: str | None = None  # Jinja string or .jinja file used instead of the checkpoint's

@@ -137,16 +137,14 @@ class RecipeRun:
         return final_dir, version
 
 
-def report(metrics: dict, checkpoint: tuple | None = None, export_hf: bool = True) -> None:
+def save_and_report(metrics: dict, checkpoint: tuple, export_hf: bool = True) -> None:
     """Every rank writes its part of a checkpoint, ``(model, optimizer, scheduler, state, meta, tokenizer)``
-    (with the servable HF export), and reports it to Ray Train with the metrics.
+    (with the servable HF export unless ``export_hf=False``), and reports it to Ray Train with the metrics.
 
-    Without a checkpoint nothing is reported: metrics already reach MLflow and Prometheus from
-    the loop, and a report blocks the step until Ray Train's controller polls the workers
-    (every 2 s by default), a stall in every log window.
+    Recipes report to Ray Train only with a checkpoint: metrics already reach MLflow and
+    Prometheus from the loop, and a report blocks the step until Ray Train's controller polls
+    the workers (every 2 s by default), a stall in every log window.
     """
-    if checkpoint is None:
-        return
     model, optimizer, scheduler, state, meta, tokenizer = checkpoint
     with tempfile.TemporaryDirectory() as tmp:
         save_checkpoint(Path(tmp), model, optimizer, scheduler, state, meta, tokenizer, export_hf=export_hf)
