@@ -16,12 +16,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray
-    import ray.data
 
-    # Logical CPUs above the 2 physical ones: two training workers plus the data
-    # pipeline's tasks must be schedulable at once.
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    from mlplat.runtime import init_ray
+
+    # The embedded local cluster, as `mlplat` starts it: on 2 cores it advertises 4 CPUs,
+    # so that two training workers and the data pipeline's tasks are schedulable at once.
+    init_ray(num_training_workers=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -24,6 +24,9 @@ def _checkpoint_at(storage: Path, step: int) -> Path:
     raise AssertionError(f"no checkpoint at step {step} under {storage}")
 
 
+BATCH = 8  # packed rows of 128 tokens per worker and step
+
+
 @pytest.fixture(scope="module")
 def two_worker_run(ray_cluster, demo_data, tiny_model, tmp_path_factory):
     """One 60-step run on 2 DDP workers, inspected by the tests below (a Ray Train job costs ~40 s to start here)."""
@@ -34,7 +37,7 @@ def two_worker_run(ray_cluster, demo_data, tiny_model, tmp_path_factory):
         data=SFTDataConfig(path=str(demo_data.sft), pack=True, max_seq_len=128),  # the quickstart covers unpacked
         optim=OptimizerConfig(lr=1e-3, warmup_steps=10),
         max_steps=60,
-        batch_size_per_worker=16,
+        batch_size_per_worker=BATCH,
         num_workers=2,
         log_every=10,
         checkpoint_every=20,
@@ -84,7 +87,7 @@ def test_sft_on_two_workers_improves_loss_and_registers(two_worker_run, tiny_mod
         assert (ckpt / MODEL_DIR / "model.safetensors").is_file() and (ckpt / TRAIN_STATE).is_file()
         assert (ckpt / SHARDED_DIR / ".metadata").is_file()
     state = torch.load(checkpoints[-1] / TRAIN_STATE, weights_only=True)["state"]
-    assert state["step"] == 60 and state["data"]["rows_consumed"] == 60 * 16
+    assert state["step"] == 60 and state["data"]["rows_consumed"] == 60 * BATCH
 
 
 @pytest.mark.slow

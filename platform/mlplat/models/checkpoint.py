@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from pathlib import Path
-
-import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from mlplat.errors import CheckpointError
+
+if TYPE_CHECKING:  # transformers and torch load only with a model: `mlplat model resolve` and checkpoint checks start in ~1 s
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -41,6 +43,8 @@ def validate_checkpoint_dir(path: str | Path) -> Path:
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
     path = validate_checkpoint_dir(path)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if tokenizer.chat_template is None:
@@ -48,21 +52,28 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> PreTrainedModel:
+def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> PreTrainedModel:
+    """The checkpoint as a transformers causal LM, in ``dtype`` (default float32) on ``device``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     path = validate_checkpoint_dir(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, local_files_only=True)
     return model.to(device)
 
 
-def load_reward_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> PreTrainedModel:
+def load_reward_model(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> PreTrainedModel:
     """A scalar-head model (``*ForSequenceClassification``, one label) from a reward model or a causal-LM checkpoint.
 
     From a causal LM the head is new (randomly initialised) and the LM head is dropped.
     The score is read at each row's last non-pad token, so the config must know the pad id.
     """
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
     path = validate_checkpoint_dir(path)
     with _quiet_transformers():  # "newly initialised weights: score.weight" is the point, not a warning
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype, local_files_only=True)
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype or torch.float32, local_files_only=True)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = load_tokenizer(path).pad_token_id
     return model.to(device)

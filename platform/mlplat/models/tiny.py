@@ -5,11 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
 from mlplat.config import Config
-from mlplat.models.tokenizer import train_chat_tokenizer
 
 
 class TinyModelConfig(Config):
@@ -30,6 +26,11 @@ class TinyModelConfig(Config):
 def build_tiny_model(out_dir: str | Path, corpus: Iterable[str], cfg: TinyModelConfig = TinyModelConfig()) -> Path:
     """Train a tokenizer on ``corpus`` and write config.json, model.safetensors,
     generation_config.json and tokenizer files (with the chat template) to ``out_dir``."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from mlplat.models.tokenizer import train_chat_tokenizer
+
     out_dir = Path(out_dir)
     tokenizer = train_chat_tokenizer(corpus, vocab_size=cfg.vocab_size)
     config = LlamaConfig(

@@ -9,10 +9,11 @@ any other model (nothing downstream needs to know about peft).
 from __future__ import annotations
 
 import re
+import sys
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import peft
 import torch
 from pydantic import Field, field_validator
 from safetensors.torch import load_file, save_file
@@ -22,6 +23,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from mlplat.config import Config
 from mlplat.errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:  # peft takes ~4 s to import: only runs with a LoRA config pay for it
+    import peft
 
 ADAPTER = "default"  # peft's adapter name; we only ever train one
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's file name
@@ -63,6 +67,8 @@ def apply_lora(model: PreTrainedModel, cfg: LoRAConfig) -> peft.PeftModel:
     ``from_pretrained`` leaves the rest in eval mode, and a half-and-half model would
     apply ``dropout`` in evaluation too. Call ``.eval()`` before evaluating.
     """
+    import peft
+
     _check_target_modules(model, cfg.target_modules)
     lora = peft.LoraConfig(
         r=cfg.r,
@@ -139,10 +145,13 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 def is_lora(model: nn.Module) -> bool:
     """Whether ``model`` (possibly under DDP) carries LoRA adapters from ``apply_lora``."""
-    return isinstance(_unwrap(model), peft.PeftModel)
+    peft = sys.modules.get("peft")  # never imported: nothing can be a PeftModel
+    return peft is not None and isinstance(_unwrap(model), peft.PeftModel)
 
 
 def _peft_model(model: nn.Module) -> peft.PeftModel:
+    import peft
+
     model = _unwrap(model)
     if not isinstance(model, peft.PeftModel):
         raise TypeError(
