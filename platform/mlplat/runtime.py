@@ -7,18 +7,20 @@ import os
 import ray
 import ray.data
 
+RAY_TRAIN_ACTORS = 8  # a Ray Train job's controller, dataset manager, split coordinator, ... besides its workers
+
 
 def local_system_config(num_cpus: int) -> dict:
     """Raylet settings for a local cluster: keep idle worker processes warm.
 
     By default the raylet keeps at most ``num_cpus`` worker processes, actors included,
-    and kills idle ones after 1 s. A Ray Train job alone runs ~8 actors (controller, workers,
-    dataset coordinator, ...), so on a small machine every data task of every job started
-    a fresh process and re-imported torch and transformers (measured: a second SFT job in
-    a session took 62 s, 38 s with warm workers). Idle workers cost memory (~0.5 GB each
-    with torch loaded), hence a bound.
+    and kills idle ones above that after 1 s. A Ray Train job's own actors fill that pool on
+    a small machine, so every data task of every job started a fresh process and
+    re-imported torch and transformers (measured: a second SFT job in a session took 62 s,
+    38 s with warm workers). Room for those actors, and 5 minutes before an idle worker
+    above the limit goes; each costs memory (~0.5 GB with torch loaded), hence no more.
     """
-    return {"num_workers_soft_limit": 3 * num_cpus, "idle_worker_killing_time_threshold_ms": 300_000}
+    return {"num_workers_soft_limit": num_cpus + RAY_TRAIN_ACTORS, "idle_worker_killing_time_threshold_ms": 300_000}
 
 
 def init_ray(address: str | None = None, num_training_workers: int = 2, progress_bars: bool = False, **ray_init_kwargs) -> str | None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from mlplat.errors import CheckpointError
 
-if TYPE_CHECKING:  # transformers and torch load only with a model: `mlplat model resolve` and checkpoint checks start in ~1 s
+if TYPE_CHECKING:  # torch and transformers import only to load a model (~5 s): checkpoint checks and CLI errors need neither
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
