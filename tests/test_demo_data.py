@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from mlplat.data.demo import DemoDataConfig, extract_answer, reversed_sum, write_demo_data
 
 
@@ -46,3 +48,10 @@ def test_extract_answer():
     assert extract_answer(" 975") == "975"
     assert extract_answer("975 because") == "975"
     assert extract_answer("no digits") == ""
+
+
+def test_eval_split_that_leaves_no_training_problems_is_refused():
+    # 1-digit operands make 100 distinct problems: holding all of them out used to loop forever.
+    with pytest.raises(ValueError, match="eval_rows=100 holds out more than half of the 100 distinct 1-digit problems"):
+        DemoDataConfig(max_digits=1, eval_rows=100)
+    DemoDataConfig(max_digits=1, eval_rows=50)

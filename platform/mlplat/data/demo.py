@@ -22,7 +22,7 @@ import random
 import re
 from pathlib import Path
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, model_validator
 
 from mlplat.config import Config
 
@@ -31,11 +31,21 @@ QUESTION = "What is {a} + {b}? Answer with the digits of the sum from last to fi
 
 class DemoDataConfig(Config):
     seed: int = 0
-    max_digits: int = 3
+    max_digits: int = Field(3, ge=1, le=9)
     sft_rows: int = 20_000
     eval_rows: int = 500
     preference_rows: int = 2_000
     rl_rows: int = 2_000
+
+    @model_validator(mode="after")
+    def _room_for_training_problems(self) -> DemoDataConfig:
+        # Eval problems are held out of every other split: if they took (nearly) all the distinct
+        # problems, drawing training problems would never end.
+        distinct = (10**self.max_digits) ** 2
+        if self.eval_rows > distinct // 2:
+            raise ValueError(f"eval_rows={self.eval_rows} holds out more than half of the {distinct} distinct "
+                             f"{self.max_digits}-digit problems; lower eval_rows or raise max_digits")
+        return self
 
 
 class DemoDataPaths(BaseModel):
