@@ -181,3 +181,46 @@ def test_incompatible_kv_payload_is_recomputed_on_decode(apps, tiny_model):
     deltas = list(decode.options(stream=True).generate_prefilled.remote(payload, params.model_dump(), "import-test"))
     assert [t for d in deltas for t in d["token_ids"]] == expected
     assert decode.stats.remote().result()["handoffs"]["import_failures"] == before + 1
+
+
+def test_hundreds_of_concurrent_streams_end_in_200_or_429_and_free_every_block(apps):
+    import asyncio
+
+    async def stream(http: httpx.AsyncClient, i: int) -> tuple[int, list[str]]:
+        body = {"model": "tiny", "prompt": f"What is {i} +", "max_tokens": 12, "temperature": 0, "stream": True}
+        async with http.stream("POST", f"{apps['pd']}/completions", json=body) as r:
+            return r.status_code, [line async for line in r.aiter_lines() if line]
+
+    async def fire(n: int):
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=180, limits=limits) as http:
+            return await asyncio.gather(*(stream(http, i) for i in range(n)))
+
+    results = asyncio.run(fire(300))
+    codes = [code for code, _ in results]
+    assert set(codes) <= {200, 429} and codes.count(200) >= ENGINE["max_num_seqs"], sorted(set(codes))
+    for code, lines in results:
+        if code == 200:  # every accepted stream ran to its end: chunks, then [DONE]
+            assert lines[-1] == "data: [DONE]" and len(lines) >= 2 and "error" not in "".join(lines), lines[-3:]
+    assert_idle(apps)
+
+
+def test_a_killed_decode_replica_is_replaced_and_new_requests_succeed(apps):
+    # Last in this module: the PD app loses its only decode replica.
+    import ray
+
+    def decode_replicas() -> list[str]:  # live replica actors (named SERVE_REPLICA::app#deployment#id), from the GCS
+        return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("SERVE_REPLICA::pd#decode#")]
+
+    (victim,) = decode_replicas()
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+    deadline = time.time() + 120
+    while not ((replicas := decode_replicas()) and victim not in replicas
+               and serve.status().applications["pd"].deployments["decode"].status == "HEALTHY"):
+        assert time.time() < deadline, "Serve did not replace the killed decode replica in 120 s"
+        time.sleep(1)
+    for stream in (False, True):
+        reply = client(apps, "pd").completions.create(model="tiny", prompt="What is 1 + 2?", max_tokens=6, temperature=0, stream=stream)
+        text = "".join(c.choices[0].text for c in reply) if stream else reply.choices[0].text
+        assert text
+    assert_idle(apps)
