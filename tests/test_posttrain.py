@@ -1,6 +1,7 @@
 """Post-training recipes end to end on the real local Ray cluster: reward model, DPO, GRPO.
 
-They start from a small SFT model trained here in-process on one-digit reversed sums
+The reward model and DPO run as steps of pipelines/preference.py. They all start from a
+small SFT model trained here in-process on one-digit reversed sums
 (~30% held-out exact match): good enough for a reward model to learn from and for
 GRPO's groups to hold both right and wrong answers, far enough from 100% to improve.
 """
@@ -13,14 +14,16 @@ import random
 import pytest
 import torch
 
+from mlplat.data.demo import DemoDataConfig, write_demo_data
+
 pytestmark = pytest.mark.slow
+
+ONE_DIGIT = DemoDataConfig(max_digits=1, sft_rows=2000, eval_rows=30, preference_rows=400, rl_rows=400)
 
 
 @pytest.fixture(scope="module")
 def one_digit(tmp_path_factory):
-    from mlplat.data.demo import DemoDataConfig, write_demo_data
-
-    return write_demo_data(tmp_path_factory.mktemp("one_digit"), DemoDataConfig(max_digits=1, sft_rows=2000, eval_rows=30, preference_rows=400, rl_rows=400))
+    return write_demo_data(tmp_path_factory.mktemp("one_digit"), ONE_DIGIT)
 
 
 @pytest.fixture(scope="module")
@@ -49,25 +52,29 @@ def sft_model(tmp_path_factory, tiny_model, one_digit):
     return out
 
 
-def test_reward_model_ranks_held_out_pairs_and_scores_as_an_actor(ray_cluster, tracking_uri, tmp_path, sft_model, one_digit):
+@pytest.fixture(scope="module")
+def preference_run(ray_cluster, tmp_path_factory, sft_model):
+    """pipelines/preference.py from the SFT model: the reward model and DPO, side by side, as pipeline steps."""
+    from pipelines.preference import PreferenceConfig, preference
+
+    work = tmp_path_factory.mktemp("preference")
+    cfg = PreferenceConfig(workdir=str(work / "steps"), data=ONE_DIGIT, policy=str(sft_model), eval_limit=30)
+    return preference.run({"cfg": cfg}, workdir=cfg.workdir, tracking_uri=f"sqlite:///{work / 'mlflow.db'}")
+
+
+def test_reward_model_ranks_held_out_pairs_and_scores_as_an_actor(preference_run, one_digit):
     import ray
 
-    from mlplat.data.preference import PreferenceDataConfig
     from mlplat.rl.rewards import RewardConfig, start_reward_model
-    from train_apps.reward_model import RewardModelConfig, run_reward_model
 
-    cfg = RewardModelConfig(
-        model=str(sft_model), data=PreferenceDataConfig(path=str(one_digit.preferences), max_seq_len=64), eval_data=str(one_digit.preferences_eval),
-        max_steps=160, num_workers=1, batch_size_per_worker=16, log_every=40, optim={"lr": 3e-4, "warmup_steps": 10},
-        storage_path=str(tmp_path / "ray_train"), registered_model="rm-test",
-    )  # fmt: skip
-    result = run_reward_model(cfg, tracking_uri=tracking_uri, work_dir=tmp_path)
-    assert result.final_loss < result.first_loss
-    assert result.eval_accuracy >= 0.75, result  # chance is 0.5
-    assert result.model_version.uri.startswith("models:/rm-test/")
+    result = preference_run.outputs["reward_model"]
+    assert result["final_loss"] < result["first_loss"]
+    assert result["eval_accuracy"] >= 0.75, result  # chance is 0.5
+    assert result["model"].uri.startswith("models:/demo-reward-model/")
 
     # Served as a scoring function for RL: the registered checkpoint in a Ray actor.
-    scorer = start_reward_model(RewardConfig(kind="reward_model", reward_model=result.model_version.uri), result.model_dir)
+    model_dir = result["model"].local_path(tracking_uri=preference_run.tracking_uri)
+    scorer = start_reward_model(RewardConfig(kind="reward_model", reward_model=result["model"].uri), str(model_dir))
     with open(one_digit.preferences_eval) as f:
         pairs = [json.loads(line) for line in f][:10]
     chosen = ray.get(scorer.score.remote([p["prompt"] + p["chosen"] for p in pairs]))
@@ -76,21 +83,15 @@ def test_reward_model_ranks_held_out_pairs_and_scores_as_an_actor(ray_cluster, t
     ray.kill(scorer)
 
 
-def test_dpo_raises_the_held_out_margin(ray_cluster, tracking_uri, tmp_path, sft_model, one_digit):
-    from mlplat.data.preference import PreferenceDataConfig
-    from train_apps.dpo import DPOConfig, run_dpo
-
-    cfg = DPOConfig(
-        model=str(sft_model), data=PreferenceDataConfig(path=str(one_digit.preferences), max_seq_len=64), eval_data=str(one_digit.preferences_eval),
-        max_steps=30, num_workers=1, batch_size_per_worker=16, log_every=10, beta=0.1, optim={"lr": 1e-4, "warmup_steps": 5},
-        storage_path=str(tmp_path / "ray_train"), registered_model=None,
-    )  # fmt: skip
-    result = run_dpo(cfg, tracking_uri=tracking_uri, work_dir=tmp_path)
-    assert result.final_loss < result.first_loss
-    before, after = result.eval_before, result.eval_after
-    assert before.rewards_margin == pytest.approx(0.0, abs=1e-4)  # the policy starts as its reference
-    assert after.rewards_margin > 0.1 and after.rewards_accuracy >= 0.6, after  # chance: 0.5
-    assert after.logp_margin > before.logp_margin + 1.0, (before, after)
+def test_dpo_raises_the_held_out_margin(preference_run):
+    result = preference_run.outputs["dpo"]
+    assert result["final_loss"] < result["first_loss"]
+    before, after = result["eval_before"], result["eval_after"]
+    assert before["rewards_margin"] == pytest.approx(0.0, abs=1e-4)  # the policy starts as its reference
+    assert after["rewards_margin"] > 0.1 and after["rewards_accuracy"] >= 0.6, after  # chance: 0.5
+    assert after["logp_margin"] > before["logp_margin"] + 1.0, (before, after)
+    # Every stage is a step run under the pipeline's MLflow run.
+    assert set(preference_run.steps) == {"demo_data", "reward_model", "dpo", "eval_sft", "eval_dpo"}
 
 
 def sampled_reward(model_dir, rows: list[dict], samples_per_prompt: int = 32) -> float:
