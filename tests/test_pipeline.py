@@ -252,3 +252,12 @@ def test_shipped_tenants_file_validates():
 
     tenants = load_config(TenantsConfig, REPO_ROOT / "cluster_configs" / "tenants.yaml").tenants
     assert tenants and all(q.cpus is None or q.cpus > 0 for q in tenants.values())
+
+
+def test_preference_pipeline_trains_sft_unless_given_a_policy():
+    from pipelines.preference import preference
+
+    assert set(preference.build().nodes) == {"demo_data", "tiny_model", "sft", "reward_model", "dpo", "eval_sft", "eval_dpo"}
+    given = preference.build(overrides=["cfg.policy=models:/quickstart-tiny@quickstart"])
+    assert set(given.nodes) == {"demo_data", "reward_model", "dpo", "eval_sft", "eval_dpo"}
+    assert given.nodes["dpo"].arguments()["policy"].uri == "models:/quickstart-tiny@quickstart"
