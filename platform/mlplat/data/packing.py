@@ -86,18 +86,23 @@ def _pack_batch(batch: dict[str, np.ndarray], max_len: int, pad_token_id: int) -
     return pack_examples(list(zip(batch["input_ids"], batch["labels"])), max_len, pad_token_id)
 
 
-def pack_dataset(ds: ray.data.Dataset, max_len: int, pad_token_id: int, window_rows: int = 1024) -> ray.data.Dataset:
+def pack_dataset(
+    ds: ray.data.Dataset, max_len: int, pad_token_id: int, window_rows: int = 1024, concurrency: int | None = None
+) -> ray.data.Dataset:
     """Pack a dataset of variable-length ``input_ids``/``labels`` rows into fixed ``max_len`` rows.
 
     Each window of ``window_rows`` input rows is packed on its own (larger windows pack
     tighter, smaller ones stream with less memory). Output columns are those of
     ``pack_examples``; other input columns are dropped (a packed row has no single source row).
+    ``concurrency``: give the upstream tokenizer's (``tokenize_rows``), so Ray fuses packing
+    into its tasks and the unpacked rows never go through the object store.
     """
     return ds.map_batches(
         _pack_batch,
         fn_kwargs={"max_len": max_len, "pad_token_id": pad_token_id},
         batch_size=window_rows,
         batch_format="numpy",
+        concurrency=concurrency,
     )
 
 

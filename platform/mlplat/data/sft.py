@@ -76,5 +76,5 @@ def prepare_sft_dataset(cfg: SFTDataConfig, tokenizer_path: str, rejects_dir: st
     rows, report = prepare_rows(cfg, "chat", rejects_dir)
     tokenized = tokenize_rows(rows, ChatTokenizer, tokenizer_path, cfg.max_seq_len, template, cfg.tokenize_concurrency)
     if cfg.pack:
-        tokenized = pack_dataset(tokenized, cfg.max_seq_len, tokenizer.pad_token_id, cfg.pack_window_rows)
+        tokenized = pack_dataset(tokenized, cfg.max_seq_len, tokenizer.pad_token_id, cfg.pack_window_rows, cfg.tokenize_concurrency)
     return tokenized, report

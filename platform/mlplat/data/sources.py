@@ -42,6 +42,7 @@ JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.bz2")  # Ray Data
 PARQUET_SUFFIXES = (".parquet",)
 SUPPORTED = "supported: .jsonl (also .jsonl.gz/.zst/.bz2) and .parquet files, a directory of them, or a glob"
 GLOB_CHARS = "*?["
+BLOCK_FLOOR_BYTES = 1 << 20  # smallest block cap: below this, per-block overhead dominates
 
 
 class SourceConfig(Config):
@@ -215,4 +216,19 @@ def read_source(source: SourceConfig, index: int, listing: Listing | None = None
                 parts.append(ray.data.read_datasource(RowsDatasource(listing, fmt, index)))
             except (OSError, ValueError) as err:
                 raise DataError(f"{source.path}: cannot read {fmt} files ({err})") from None
+    for part in parts:
+        _cap_block_size(part.context)
     return parts[0] if len(parts) == 1 else parts[0].union(*parts[1:])
+
+
+def _cap_block_size(ctx: ray.data.DataContext) -> None:
+    """Cap the blocks of this dataset (and everything derived from it) at 1/64 of the cluster's object store.
+
+    Ray Data merges what a read task yields into blocks of up to ``target_max_block_size``
+    (128 MiB by default): one block per JSONL file here, which can be larger than the whole
+    store of a small cluster, so it spills however the streaming executor throttles. Small
+    blocks keep its backpressure, which budgets half the store, in control.
+    """
+    store = int(ray.cluster_resources().get("object_store_memory", 0))
+    cap = max(BLOCK_FLOOR_BYTES, store // 64)
+    ctx.target_max_block_size = min(ctx.target_max_block_size or cap, cap)
