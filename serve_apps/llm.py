@@ -2,14 +2,13 @@
 
     serve run serve_apps.llm:app_builder model=models:/quickstart-tiny@quickstart mode=pd
     mlplat serve --set model=... --set mode=colocated
+    mlplat serve --set engine=vllm --set auth.enabled=false ...   # on GPUs: docs/serving.md
 
 ``build_app(ServeConfig)`` returns the Serve application; ``app_builder(args)`` is the
 import path for `serve run` and Serve config YAMLs (``args`` holds ServeConfig fields).
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from ray import serve
 from ray.serve import Application
@@ -20,15 +19,10 @@ from mlplat.engine import EngineConfig
 from mlplat.serve.auth import build_gatekeeper
 from mlplat.serve.config import ReplicaConfig, ServeConfig
 from mlplat.serve.ingress import OpenAIIngress
-from mlplat.serve.routing import FreeKVRouter, PrefixAwareRouter
+from mlplat.serve.routing import FreeKVRouter, PrefixAwareRouter, RoundRobinRouter
 from mlplat.serve.servers import EngineServer
-from mlplat.tracking import parse_model_uri, resolve_model
-
-
-def _served_name(cfg: ServeConfig, model_dir: Path) -> str:
-    if cfg.model_name:
-        return cfg.model_name
-    return parse_model_uri(cfg.model).name if cfg.model.startswith("models:/") else model_dir.name
+from mlplat.serve.vllm_backend import build_vllm_app
+from mlplat.tracking import resolve_model
 
 
 def _options(replicas: ReplicaConfig, name: str) -> dict:
@@ -37,6 +31,8 @@ def _options(replicas: ReplicaConfig, name: str) -> dict:
 
 
 def build_app(cfg: ServeConfig) -> Application:
+    if cfg.engine == "vllm":  # the same topology on Ray Serve LLM (mlplat.serve.vllm_backend)
+        return build_vllm_app(cfg)
     model_dir = resolve_model(cfg.model)
     engine_cfg = validate(EngineConfig, {**cfg.engine_args, "model": str(model_dir)}, "engine_args")
     from transformers import AutoConfig
@@ -44,7 +40,7 @@ def build_app(cfg: ServeConfig) -> Application:
     max_model_len = engine_cfg.max_model_len or AutoConfig.from_pretrained(model_dir, local_files_only=True).max_position_embeddings
     common = dict(
         model_dir=str(model_dir),
-        model_name=_served_name(cfg, model_dir),
+        model_name=cfg.served_name(model_dir),
         mode=cfg.mode,
         default_max_tokens=cfg.default_max_tokens,
         max_model_len=max_model_len,
@@ -55,11 +51,11 @@ def build_app(cfg: ServeConfig) -> Application:
     if cfg.mode == "colocated":
         llm = EngineServer.options(**_options(cfg.colocated, "llm")).bind(engine_args)
         return ingress.bind(**common, llm=llm)
+    prefill_routers = {"prefix_aware": (PrefixAwareRouter, {"block_size": engine_cfg.block_size}), "round_robin": (RoundRobinRouter, {})}
+    router_class, router_kwargs = prefill_routers[cfg.prefill_router]
     prefill = EngineServer.options(
         **_options(cfg.prefill, "prefill"),
-        request_router_config=RequestRouterConfig(
-            request_router_class=PrefixAwareRouter, request_router_kwargs={"block_size": engine_cfg.block_size}
-        ),
+        request_router_config=RequestRouterConfig(request_router_class=router_class, request_router_kwargs=router_kwargs),
     ).bind(engine_args)
     decode = EngineServer.options(
         **_options(cfg.decode, "decode"),

@@ -1,8 +1,10 @@
 """The PD app's replica-choice policies, on their own."""
 
+import asyncio
 import random
+from types import SimpleNamespace
 
-from mlplat.serve.routing import prefix_key, rank_decode_replicas, rank_prefill_replicas
+from mlplat.serve.routing import RoundRobinRouter, prefix_key, rank_decode_replicas, rank_prefill_replicas, round_robin_order
 
 REPLICAS = ["r0", "r1", "r2", "r3"]
 
@@ -42,3 +44,15 @@ def test_short_prompts_go_to_the_least_loaded():
 
 def test_decode_prefers_free_kv_blocks():
     assert rank_decode_replicas(REPLICAS, {"r0": 10, "r1": 300, "r2": 42}) == ["r1", "r2", "r0", "r3"]
+
+
+def test_round_robin_takes_replicas_in_turn_whatever_the_prefix():
+    firsts = [round_robin_order(list(reversed(REPLICAS)), turn)[0] for turn in range(8)]
+    assert firsts == REPLICAS + REPLICAS  # a fixed order, each replica once per round
+    assert round_robin_order(REPLICAS, 2) == ["r2", "r3", "r0", "r1"]  # the rest follow, for when the first is full
+    router = RoundRobinRouter.__new__(RoundRobinRouter)  # the policy as Serve calls it (no Serve needed)
+    router.initialize_state()
+    replicas = [SimpleNamespace(replica_id=r) for r in REPLICAS[:2]]
+    same_prefix = SimpleNamespace(args=[prompt(1, 0)])
+    chosen = [asyncio.run(router.choose_replicas(replicas, same_prefix))[0][0].replica_id for _ in range(4)]
+    assert chosen == ["r0", "r1", "r0", "r1"]  # no affinity: a shared prefix alternates

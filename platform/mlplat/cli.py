@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve a model over the OpenAI API on Ray Serve (PD-disaggregated or colocated)")
     _add_config_args(p)
     p.add_argument("--address", help="Ray cluster address (default: start a local one)")
+    p.add_argument("--print-config", action="store_true",
+                   help="engine: vllm: print the Ray Serve LLM config (YAML for `serve deploy`) and exit; starts no Ray")
 
     p = sub.add_parser("eval", help="exact-match accuracy of a model on held-out prompts")
     p.add_argument("--model", required=True, help="HF checkpoint directory or models:/NAME/VERSION|@ALIAS")
@@ -127,6 +129,11 @@ def _run(args: argparse.Namespace) -> None:
         from serve_apps.llm import run as run_app
 
         cfg = load_config(ServeConfig, args.config, args.overrides)
+        if args.print_config:
+            from mlplat.serve.vllm_backend import serve_config_yaml
+
+            print(serve_config_yaml(cfg), end="")
+            return
         init_ray(args.address, num_training_workers=0)
         print(f"OpenAI API at {run_app(cfg)} (Ctrl-C to stop)", flush=True)
         try:

@@ -5,6 +5,8 @@ Rendezvous hashing of the prefix's first blocks ranks the replicas the same way 
 every request with that prefix; a replica already holding more than ``load_factor``
 times the mean load (plus one) drops to the back, so one hot prefix cannot swamp it
 (consistent hashing with bounded loads, Mirrokni et al. 2018).
+Round robin (``prefill_router: round_robin``): each replica in turn, no affinity; the
+baseline the prefix-aware router is measured against (benchmarks/serving.py).
 Decode: the replica with the most free KV blocks, as its replicas report them.
 
 The Serve routers use FIFOMixin: without it, Ray 2.60's out-of-order matching left
@@ -44,6 +46,14 @@ def rank_prefill_replicas(key: int | None, replicas: Sequence[Hashable], loads: 
     return [r for r in ranked if loads.get(r, 0) <= bound] + [r for r in ranked if loads.get(r, 0) > bound]
 
 
+def round_robin_order(replicas: Sequence[Hashable], turn: int) -> list:
+    """Replicas in preference order for the ``turn``-th request: the next one in a fixed order
+    first, then the ones after it (so a full replica passes the request on)."""
+    ordered = sorted(replicas, key=str)
+    start = turn % len(ordered) if ordered else 0
+    return ordered[start:] + ordered[:start]
+
+
 def rank_decode_replicas(replicas: Sequence[Hashable], free_blocks: dict) -> list:
     """Most free KV blocks first (unknown counts last)."""
     return sorted(replicas, key=lambda r: free_blocks.get(r, -1), reverse=True)
@@ -63,6 +73,20 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         loads = {rid: self._replica_queue_len_cache.get(rid) or 0 for rid in by_id}
         key = prefix_key(args[0], self.block_size)
         return [[by_id[rid]] for rid in rank_prefill_replicas(key, list(by_id), loads, self.load_factor)]
+
+
+class RoundRobinRouter(FIFOMixin, RequestRouter):
+    """Serve router for prefill replicas without affinity: ``round_robin_order``, one turn per routing attempt
+    (each caller, i.e. ingress replica, keeps its own turn)."""
+
+    def initialize_state(self) -> None:
+        self.turn = 0
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None):
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        ranked = round_robin_order(list(by_id), self.turn)
+        self.turn += 1
+        return [[by_id[rid]] for rid in ranked]
 
 
 class FreeKVRouter(FIFOMixin, RequestRouter):
