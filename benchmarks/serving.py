@@ -61,9 +61,9 @@ complete, decode batches are far larger and the prefill share can be sized to th
 (e.g. 1 prefill : 3 decode): expect a larger ITL tail ratio and goodput favouring PD at tight
 ITL SLOs. Timings also move with whatever else runs on the machine: runs.*.other_processes_cpu_share
 is the share of the CPUs that processes other than this benchmark's took during each run.
-Most of a --quick run is starting the 14 replica processes, each importing torch, transformers
-and Ray Serve (5-7 CPU-seconds): setup.deploy_s, 100-145 s measured on this 2-core machine
-with other jobs running on it, about a minute expected on two idle cores.
+Most of a --quick run (~2.7 min on this 2-core machine when nothing else runs) is starting
+the 14 replica processes, each importing torch, transformers and Ray Serve: setup.deploy_s,
+~85 s here, 100-145 s with other jobs running.
 
 JSON fields: itl_p99_colocated_over_pd, ttft_p99_colocated_over_pd, goodput_pd_over_colocated,
 prefix_routing_ttft_speedup, errors (all runs), rejected_429, throughput_pd_over_colocated and
@@ -126,8 +126,8 @@ def build_model(work: Path) -> tuple[Path, list[int]]:
     """The random-weight Llama, edited to sample only tokens that decode to whole characters.
 
     Every input embedding gets a large constant in dimension 0, which the residual stream
-    carries to the last norm (h[0] ~ +19 after it); the LM-head rows of all other tokens (stop,
-    special, partial UTF-8 bytes) get -1 there, putting them ~19 nats below the rest."""
+    carries to the last norm (h[0] ~ +16 after it); the LM-head rows of all other tokens (stop,
+    special, partial UTF-8 bytes) get -3 there, putting them > 40 nats below every clean one."""
     data = write_demo_data(work / "data", DemoDataConfig(sft_rows=2000, eval_rows=10, preference_rows=10, rl_rows=10))
     model_dir = build_tiny_model(work / "model", tokenizer_corpus(data.sft), SHAPE)
     tok = load_tokenizer(model_dir)
@@ -137,7 +137,7 @@ def build_model(work: Path) -> tuple[Path, list[int]]:
     weights["model.embed_tokens.weight"][:, 0] = 10.0
     head = weights["lm_head.weight"]
     head[:, 0] = 0.0
-    head[sorted(set(range(head.shape[0])) - set(clean)), 0] = -1.0
+    head[sorted(set(range(head.shape[0])) - set(clean)), 0] = -3.0
     save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
     return model_dir, clean
 
