@@ -61,9 +61,9 @@ complete, decode batches are far larger and the prefill share can be sized to th
 (e.g. 1 prefill : 3 decode): expect a larger ITL tail ratio and goodput favouring PD at tight
 ITL SLOs. Timings also move with whatever else runs on the machine: runs.*.other_processes_cpu_share
 is the share of the CPUs that processes other than this benchmark's took during each run.
-Most of a --quick run (~2.7 min on this 2-core machine when nothing else runs) is starting
+Most of a --quick run (2.7-2.9 min on this 2-core machine when nothing else runs) is starting
 the 14 replica processes, each importing torch, transformers and Ray Serve: setup.deploy_s,
-~85 s here, 100-145 s with other jobs running.
+85-100 s here then, 100-280 s with other jobs running.
 
 JSON fields: itl_p99_colocated_over_pd, ttft_p99_colocated_over_pd, goodput_pd_over_colocated,
 prefix_routing_ttft_speedup, errors (all runs), rejected_429, throughput_pd_over_colocated and
@@ -324,7 +324,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
     bench_start, loadavg_start = time.perf_counter(), os.getloadavg()
-    rounds, mixed_s, prefix_s = (1, 10.0, 6.0) if args.quick else (3, 30.0, 20.0)
+    rounds, mixed_s, prefix_s = (1, 8.0, 6.0) if args.quick else (3, 30.0, 20.0)
     slo = (args.ttft_slo, args.itl_slo)
 
     building = ThreadPoolExecutor(1).submit(build_model, Path(tempfile.mkdtemp(prefix="serving_bench_")))  # while Ray starts
