@@ -163,6 +163,7 @@ def test_registry_uri_resolves_to_the_registered_directory(tracking_uri, model_d
         ([*VLLM_OK, "auth.default_rate_limit.requests_per_s=5"], "overrides: auth: .*no rate limits"),
         ([*VLLM_OK, "engine_args.device=cuda"], "overrides: engine_args: .*vllm.engine_kwargs"),
         ([*VLLM_OK, "default_max_tokens=64"], "overrides: default_max_tokens: .*engine: native only"),
+        ([*VLLM_OK, "prefill_router=round_robin"], "overrides: prefill_router: .*engine: native only"),
         ([*VLLM_OK, "decode.num_gpus=1"], "overrides: decode: .*tensor_parallel_size.*leave num_gpus at 0"),
         ([*VLLM_OK, "vllm.kv_connector=P2pNcclConnector"], "overrides: vllm.kv_connector: .*'NixlConnector' or 'LMCacheConnectorV1'"),
         ([*VLLM_OK, "mode=colocated", "vllm.kv_connector=LMCacheConnectorV1"], "overrides: vllm: .*mode: pd only"),

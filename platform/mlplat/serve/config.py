@@ -24,6 +24,13 @@ class ReplicaConfig(Config):
 KVConnector = Literal["NixlConnector", "LMCacheConnectorV1"]
 
 # Ray Serve LLM derives these from the rest of the config (and refuses the first two in engine_kwargs).
+# What to do instead, for settings only the native engine reads.
+NATIVE_ONLY_HINTS = {
+    "engine_args": "with engine: vllm put vLLM's engine arguments in vllm.engine_kwargs",
+    "default_max_tokens": "with engine: vllm clients set max_tokens (without it vLLM may generate up to the context length)",
+    "prefill_router": "with engine: vllm Ray Serve LLM routes requests itself",
+}
+
 ENGINE_KWARGS_SET_BY_MLPLAT = {"model": "model", "served_model_name": "model_name", "kv_transfer_config": "vllm.kv_connector"}
 
 
@@ -109,19 +116,11 @@ class ServeConfig(Config):
     # Settings one engine would silently ignore are errors. These validators see `mode` and `engine`
     # (declared above them) in info.data, and, but for `auth`, run only on fields the config sets.
 
-    @field_validator("engine_args")
+    @field_validator("engine_args", "default_max_tokens", "prefill_router")
     @classmethod
-    def _native_engine_args(cls, engine_args: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        if engine_args and info.data.get("engine") == "vllm":
-            raise ValueError("applies to engine: native only; with engine: vllm put vLLM's engine arguments in vllm.engine_kwargs")
-        return engine_args
-
-    @field_validator("default_max_tokens")
-    @classmethod
-    def _native_default_max_tokens(cls, value: int, info: ValidationInfo) -> int:
+    def _native_only(cls, value: Any, info: ValidationInfo) -> Any:
         if info.data.get("engine") == "vllm":
-            raise ValueError("applies to engine: native only; with engine: vllm clients set max_tokens "
-                             "(without it vLLM may generate up to the context length)")
+            raise ValueError(f"applies to engine: native only; {NATIVE_ONLY_HINTS[info.field_name]}")
         return value
 
     @field_validator("vllm")
