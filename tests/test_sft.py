@@ -24,7 +24,7 @@ def _checkpoint_at(storage: Path, step: int) -> Path:
     raise AssertionError(f"no checkpoint at step {step} under {storage}")
 
 
-BATCH = 8  # packed rows of 128 tokens per worker and step
+BATCH = 8  # packed rows of 64 tokens per worker and step
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def two_worker_run(ray_cluster, demo_data, tiny_model, tmp_path_factory):
     tracking_uri = f"sqlite:///{tmp / 'mlflow.db'}"
     cfg = SFTConfig(
         model=str(tiny_model),
-        data=SFTDataConfig(path=str(demo_data.sft), pack=True, max_seq_len=128),  # the quickstart covers unpacked
+        data=SFTDataConfig(path=str(demo_data.sft), pack=True, max_seq_len=64),  # the quickstart covers unpacked
         optim=OptimizerConfig(lr=1e-3, warmup_steps=10),
         max_steps=60,
         batch_size_per_worker=BATCH,
@@ -117,11 +117,11 @@ def test_resume_from_checkpoint_reproduces_the_straight_run(two_worker_run, tmp_
 def test_lora_sft_exports_a_merged_plain_checkpoint(ray_cluster, tracking_uri, demo_data, tiny_model, tmp_path):
     cfg = SFTConfig(
         model=str(tiny_model),
-        data=SFTDataConfig(path=str(demo_data.sft), pack=True, max_seq_len=128),
+        data=SFTDataConfig(path=str(demo_data.sft), pack=True, max_seq_len=64),
         optim=OptimizerConfig(lr=5e-3, warmup_steps=5),
         lora=LoRAConfig(r=8, alpha=16),
         max_steps=30,
-        batch_size_per_worker=8,
+        batch_size_per_worker=4,
         num_workers=2,
         log_every=5,
         storage_path=str(tmp_path / "ray_train"),

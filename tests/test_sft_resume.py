@@ -21,7 +21,7 @@ from train_apps.sft import SFTConfig, run_sft
 def _config(demo_data, tiny_model, tmp_path, **overrides) -> SFTConfig:
     base = {
         "model": str(tiny_model),
-        "data": SFTDataConfig(path=str(demo_data.sft), pack=True, max_seq_len=128),
+        "data": SFTDataConfig(path=str(demo_data.sft), pack=True, max_seq_len=64),
         "optim": OptimizerConfig(lr=2e-3, warmup_steps=5),
         "max_steps": 20,
         "batch_size_per_worker": 4,
