@@ -125,6 +125,27 @@ class Rotary(nn.Module):
         return x * cos + torch.cat((x2, x1), dim=-1) * sin
 
 
+class Linear(nn.Linear):
+    """nn.Linear that, on CPU, can also hold its weight reordered into oneDNN's blocked layout.
+
+    With ``packed_weight`` set (see ``pack_linear_weights_``), a batch of at least ``packed_min_rows``
+    rows (batched decodes, prefill chunks) runs oneDNN's matmul on the packed copy: MKL's GEMM
+    re-packs the weight on every call, which at 8-32 rows costs about as much as the arithmetic
+    (oneDNN measured 1.3-2x faster at 8-32 rows on a 2-core AVX2 CPU). A single row is a GEMV, faster through MKL
+    on the plain (input-major) weight, so that weight stays too."""
+
+    packed_min_rows = 2
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.packed_weight: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None and x.shape[0] >= self.packed_min_rows:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -184,8 +205,8 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = _head_dim(config)
         bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
-        self.qkv_proj = nn.Linear(config.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        self.qkv_proj = Linear(config.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=getattr(config, "attention_bias", False))
         self.qk_norm = config.model_type == "qwen3"  # Qwen3 normalises each head's q and k
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -211,8 +232,8 @@ class MLP(nn.Module):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -239,7 +260,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config, max_positions)
@@ -263,6 +284,17 @@ def store_linear_weights_input_major_(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, nn.Linear) and (tied is None or module.weight is not tied.weight):
             module.weight = nn.Parameter(module.weight.detach().t().contiguous().t(), requires_grad=module.weight.requires_grad)
+
+
+def pack_linear_weights_(model: nn.Module) -> None:
+    """(Re)build every ``Linear``'s oneDNN copy from its current weight; call after each weight load.
+
+    A head tied to the embedding stays unpacked: it shares the embedding's row-major storage."""
+    tied = getattr(model, "embed_tokens", None)
+    for module in model.modules():
+        if isinstance(module, Linear) and (tied is None or module.weight is not tied.weight):
+            # Blocked for a 32-row batch; other row counts run on it too.
+            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 32)
 
 
 def hf_state_dict_to_engine(items, config: PretrainedConfig):

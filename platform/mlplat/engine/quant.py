@@ -62,10 +62,13 @@ def quantize_int8_(model: nn.Module) -> nn.Module:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of parameters and buffers that hold weights (the KV cache is not part of the model)."""
+    """Bytes of parameters and buffers that hold weights (the KV cache is not part of the model).
+
+    CPU fp32 linears hold a second, oneDNN-packed copy of their weight (model.Linear): counted too."""
     seen, total = set(), 0
     for t in [*model.parameters(), *(b for n, b in model.named_buffers() if n.endswith(("qweight", "scale")))]:
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
-    return total
+    packed = [m.packed_weight for m in model.modules() if getattr(m, "packed_weight", None) is not None]
+    return total + sum(t.numel() * t.element_size() for t in packed)

@@ -11,7 +11,13 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from mlplat.engine.config import EngineConfig
-from mlplat.engine.model import AttentionMetadata, CausalLM, hf_state_dict_to_engine, store_linear_weights_input_major_
+from mlplat.engine.model import (
+    AttentionMetadata,
+    CausalLM,
+    hf_state_dict_to_engine,
+    pack_linear_weights_,
+    store_linear_weights_input_major_,
+)
 from mlplat.engine.quant import Int8Linear, quantize_int8_
 from mlplat.engine.sequence import Sequence
 from mlplat.errors import CheckpointError
@@ -43,6 +49,9 @@ class ModelRunner:
             self.model = CausalLM(self.hf_config, self.max_model_len).to(self.dtype)
         if self.device.type == "cpu":
             store_linear_weights_input_major_(self.model)
+        # fp32 on CPU: batched matmuls run on oneDNN-packed copies of the weights (see model.Linear).
+        cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
+        self.pack_weights = cpu_fp32 and cfg.quantization is None and torch.backends.mkldnn.is_available()
         self.update_weights(read_safetensors(model_dir))
         if cfg.quantization == "int8":
             quantize_int8_(self.model)
@@ -88,6 +97,8 @@ class ModelRunner:
             else:
                 raise CheckpointError(f"unexpected weight {name!r} for model_type {self.hf_config.model_type!r}")
             loaded += 1
+        if self.pack_weights:
+            pack_linear_weights_(self.model)
         return loaded
 
     def prepare(self, batch: list[tuple[Sequence, int]], num_logits: list[int] | None = None):
