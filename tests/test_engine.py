@@ -282,6 +282,25 @@ def test_score_matches_transformers(llama):
     assert engine.block_manager.num_free_blocks == engine.runner.num_blocks
 
 
+def test_cpu_packed_weights_match_the_plain_weights(llama):
+    from mlplat.engine.model import Linear
+    from mlplat.engine.quant import weight_bytes
+
+    packed, plain = engine_for(llama), engine_for(llama, cpu_packed_weights=False)
+    linears = [m for m in packed.runner.model.modules() if isinstance(m, Linear) and m.packed_weight is not None]
+    assert len(linears) == 2 * 4  # qkv, o, gate_up, down in each of 2 layers; the tied head stays unpacked
+    assert all(m.packed_weight is None for m in plain.runner.model.modules() if isinstance(m, Linear))
+    assert weight_bytes(packed.runner.model, include_packed=False) == weight_bytes(plain.runner.model)
+    assert weight_bytes(packed.runner.model) > weight_bytes(plain.runner.model)
+    # Teacher-forced scoring runs every row at once (the packed path): same log-probs, same greedy batch.
+    tokens = prompts(1, seed=17)[0]
+    torch.testing.assert_close(torch.tensor(packed.score(tokens)), torch.tensor(plain.score(tokens)), atol=1e-4, rtol=1e-4)
+    batch = prompts(6, seed=18)
+    assert [o.outputs[0].token_ids for o in run_checked(packed, prompt_ids=batch)] == [
+        o.outputs[0].token_ids for o in run_checked(plain, prompt_ids=batch)
+    ]
+
+
 def test_int8_weight_only(llama, tmp_path, tiny_model):
     from mlplat.engine.quant import Int8Linear, weight_bytes
 

@@ -30,4 +30,7 @@ class EngineConfig(Config):
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
     enable_prefix_caching: bool = True
     quantization: Literal["int8"] | None = None  # int8: weight-only, per-output-channel scales
+    # CPU fp32: batched matmuls run on a oneDNN-packed second copy of each linear weight (1.3-2x faster
+    # at 8-32 rows); costs a second copy of the weights in memory. False: one copy, MKL only.
+    cpu_packed_weights: bool = True
     speculative: SpeculativeConfig | None = None

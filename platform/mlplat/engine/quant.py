@@ -61,14 +61,15 @@ def quantize_int8_(model: nn.Module) -> nn.Module:
     return model
 
 
-def weight_bytes(model: nn.Module) -> int:
+def weight_bytes(model: nn.Module, include_packed: bool = True) -> int:
     """Bytes of parameters and buffers that hold weights (the KV cache is not part of the model).
 
-    CPU fp32 linears hold a second, oneDNN-packed copy of their weight (model.Linear): counted too."""
+    CPU fp32 linears may hold a second, oneDNN-packed copy of their weight (model.Linear): counted
+    unless ``include_packed`` is False (the checkpoint's weights as loaded)."""
     seen, total = set(), 0
     for t in [*model.parameters(), *(b for n, b in model.named_buffers() if n.endswith(("qweight", "scale")))]:
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
-    packed = [m.packed_weight for m in model.modules() if getattr(m, "packed_weight", None) is not None]
+    packed = [m.packed_weight for m in model.modules() if include_packed and getattr(m, "packed_weight", None) is not None]
     return total + sum(t.numel() * t.element_size() for t in packed)

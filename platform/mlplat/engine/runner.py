@@ -51,7 +51,7 @@ class ModelRunner:
             store_linear_weights_input_major_(self.model)
         # fp32 on CPU: batched matmuls run on oneDNN-packed copies of the weights (see model.Linear).
         cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
-        self.pack_weights = cpu_fp32 and cfg.quantization is None and torch.backends.mkldnn.is_available()
+        self.pack_weights = cfg.cpu_packed_weights and cpu_fp32 and cfg.quantization is None and torch.backends.mkldnn.is_available()
         self.update_weights(read_safetensors(model_dir))
         if cfg.quantization == "int8":
             quantize_int8_(self.model)
