@@ -117,12 +117,20 @@ def copy_bandwidth() -> float:
 
 
 def matmul_flops(shapes: list[tuple[int, int, int]]) -> float:
-    """FLOP/s of x[M,K] @ w[K,N] over the given shapes (summed FLOPs / summed best times)."""
+    """FLOP/s of x[M,K] @ w[K,N] over the given shapes (summed FLOPs / summed best times).
+
+    Each shape takes the fastest kernel the engine can use: MKL, or oneDNN on a packed weight
+    (mlplat.engine.model.Linear); a roofline from a slower kernel would flatter the engine."""
     flops, seconds = 0.0, 0.0
     for m, k, n in shapes:
         x, w = torch.randn(m, k), torch.randn(k, n)
-        x @ w
-        seconds += min(_timed(lambda: x @ w) for _ in range(10))
+        kernels = [lambda x=x, w=w: x @ w]
+        if torch.backends.mkldnn.is_available():
+            packed = torch.ops.mkldnn._reorder_linear_weight(w.t(), 32)  # [N, K], as nn.Linear holds it
+            kernels.append(lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
+        for kernel in kernels:
+            kernel()
+        seconds += min(_timed(kernel) for kernel in kernels for _ in range(10))
         flops += 2 * m * k * n
     return flops / seconds
 
