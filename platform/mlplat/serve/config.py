@@ -23,7 +23,6 @@ class ReplicaConfig(Config):
 # (ray/llm/_internal/serve/engines/vllm/kv_transfer/factory.py); NIXL needs UCX, LMCache `pip install lmcache`.
 KVConnector = Literal["NixlConnector", "LMCacheConnectorV1"]
 
-# Ray Serve LLM derives these from the rest of the config (and refuses the first two in engine_kwargs).
 # What to do instead, for settings only the native engine reads.
 NATIVE_ONLY_HINTS = {
     "engine_args": "with engine: vllm put vLLM's engine arguments in vllm.engine_kwargs",
@@ -31,6 +30,7 @@ NATIVE_ONLY_HINTS = {
     "prefill_router": "with engine: vllm Ray Serve LLM routes requests itself",
 }
 
+# Ray Serve LLM derives these from the rest of the config (and refuses the first two in engine_kwargs).
 ENGINE_KWARGS_SET_BY_MLPLAT = {"model": "model", "served_model_name": "model_name", "kv_transfer_config": "vllm.kv_connector"}
 
 
