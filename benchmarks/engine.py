@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from mlplat.data.demo import DemoDataConfig, tokenizer_corpus, write_demo_data
 from mlplat.engine import EngineConfig, LLMEngine, SamplingParams
 from mlplat.engine.config import SpeculativeConfig
+from mlplat.engine.model import Linear, pack_linear_weights_, store_linear_weights_input_major_
 from mlplat.engine.quant import weight_bytes
 from mlplat.models import load_tokenizer
 from mlplat.models.tokenizer import train_chat_tokenizer
@@ -119,18 +120,20 @@ def copy_bandwidth() -> float:
 def matmul_flops(shapes: list[tuple[int, int, int]]) -> float:
     """FLOP/s of x[M,K] @ w[K,N] over the given shapes (summed FLOPs / summed best times).
 
-    Each shape takes the fastest kernel the engine can use: MKL, or oneDNN on a packed weight
-    (mlplat.engine.model.Linear); a roofline from a slower kernel would flatter the engine."""
+    Each shape takes the faster of plain MKL and the engine's own linear (oneDNN on a packed
+    weight, mlplat.engine.model.Linear): a roofline from a slower kernel would flatter the engine."""
     flops, seconds = 0.0, 0.0
     for m, k, n in shapes:
         x, w = torch.randn(m, k), torch.randn(k, n)
-        kernels = [lambda x=x, w=w: x @ w]
+        linear = Linear(k, n, bias=False).requires_grad_(False)
+        store_linear_weights_input_major_(linear)
         if torch.backends.mkldnn.is_available():
-            packed = torch.ops.mkldnn._reorder_linear_weight(w.t(), 32)  # [N, K], as nn.Linear holds it
-            kernels.append(lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
-        for kernel in kernels:
-            kernel()
-        seconds += min(_timed(kernel) for kernel in kernels for _ in range(10))
+            pack_linear_weights_(linear)
+        kernels = [lambda x=x, w=w: x @ w, lambda x=x: linear(x)]
+        with torch.inference_mode():
+            for kernel in kernels:
+                kernel()
+            seconds += min(_timed(kernel) for kernel in kernels for _ in range(10))
         flops += 2 * m * k * n
     return flops / seconds
 
