@@ -299,6 +299,10 @@ def test_cpu_packed_weights_match_the_plain_weights(llama):
     assert [o.outputs[0].token_ids for o in run_checked(packed, prompt_ids=batch)] == [
         o.outputs[0].token_ids for o in run_checked(plain, prompt_ids=batch)
     ]
+    # Batched rows really read the packed copy: zeroing a plain weight without re-packing changes nothing there.
+    with torch.no_grad():
+        linears[0].weight.zero_()
+    torch.testing.assert_close(torch.tensor(packed.score(tokens)), torch.tensor(plain.score(tokens)), atol=1e-4, rtol=1e-4)
 
 
 def test_int8_weight_only(llama, tmp_path, tiny_model):
