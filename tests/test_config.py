@@ -1,5 +1,6 @@
 """Typed configs reject bad input with the file and field named; the CLI prints one line."""
 
+import os
 import subprocess
 
 import pytest
@@ -68,6 +69,15 @@ def test_cli_errors_are_one_line(args, message):
     assert "Traceback" not in out.stderr
     lines = [line for line in out.stderr.splitlines() if line.startswith("mlplat: error:")]
     assert len(lines) == 1 and message in lines[0], out.stderr
+
+
+def test_a_wrong_data_path_fails_before_a_cluster_or_a_run_starts(tiny_model, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
+    args = ["train", "sft", "--set", f"model={tiny_model}", "--set", f"data.path={tmp_path}/missing.jsonl"]
+    out = subprocess.run([MLPLAT, *args], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert out.returncode == 2 and f"mlplat: error: {tmp_path}/missing.jsonl: data path not found" in out.stderr, out.stderr
+    # Nothing was started or written for it: no local Ray cluster, no MLflow store with a failed run.
+    assert "Started a local Ray instance" not in out.stderr and not (tmp_path / "mlflow.db").exists()
 
 
 def test_cli_bad_arguments_are_usage_errors():

@@ -132,3 +132,4 @@ def test_the_cli_prints_it_as_one_line(tmp_path):
     errors = [line for line in out.stderr.splitlines() if line.startswith("mlplat: error")]
     assert errors == [f"mlplat: error: eval_data: {tmp_path}/missing.jsonl is not a file: give a held-out JSONL path, or leave eval_data unset"]
     assert "Traceback" not in out.stderr
+    assert "Started a local Ray instance" not in out.stderr  # inputs are checked before a cluster starts

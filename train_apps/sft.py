@@ -37,6 +37,7 @@ from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, Sc
 from ray.train.torch import TorchTrainer
 
 from mlplat.config import Config, to_flat_params
+from mlplat.data.ingest import check_sources
 from mlplat.data.loader import ShardLoader, deterministic_data_config
 from mlplat.data.sft import DataReport, PadCollate, SFTDataConfig, prepare_sft_dataset
 from mlplat.errors import CheckpointError, ConfigError
@@ -299,6 +300,7 @@ def run_sft(cfg: SFTConfig, tracking_uri: str | None = None, work_dir: str | Pat
             resumed_step = torch.load(Path(ckpt) / TRAIN_STATE, weights_only=True)["state"]["step"]
         if resumed_step >= cfg.max_steps:
             raise ConfigError(f"resume_from: the checkpoint is at step {resumed_step}, not before max_steps={cfg.max_steps}: raise max_steps")
+    check_sources(cfg.data)  # a wrong data path fails here, before a cluster or an MLflow run is started
     # Measured before Ray and the data pipeline start, on one worker's threads (Ray gives each one CPU).
     peak_tflops = cfg.peak_tflops or (None if cfg.use_gpu else measure_cpu_peak_flops(threads=1) / 1e12)
     init_ray(num_training_workers=cfg.num_workers)

@@ -119,7 +119,8 @@ def _run(args: argparse.Namespace) -> None:
         recipe = importlib.import_module(f"train_apps.{args.recipe}")
         _, config_class, run = RECIPES[args.recipe]
         cfg = load_config(getattr(recipe, config_class), args.config, args.overrides)
-        init_ray(args.address, cfg.num_workers)
+        if args.address:  # without one, the recipe starts a local cluster itself, after checking its inputs
+            init_ray(args.address, cfg.num_workers)
         print(getattr(recipe, run)(cfg).model_dump_json(indent=2))
     elif args.command == "serve":
         import time

@@ -162,10 +162,15 @@ def _plan(cfg: DataConfig, valid: list[int]) -> tuple[list[float], list[float]]:
     return weights, [min(1.0, w * mixture / v) for w, v in zip(weights, valid)]
 
 
+def check_sources(cfg: DataConfig) -> list[Listing]:
+    """Every source's files, found and of a known format: a DataError naming the path otherwise (no Ray needed)."""
+    return [list_files(s) for s in cfg.source_list()]
+
+
 def prepare_rows(cfg: DataConfig, task: Task, rejects_dir: str | Path) -> tuple[ray.data.Dataset, DataReport]:
     """Validate every source of ``cfg`` as ``task`` rows (one pass) and return the lazy mixed good rows."""
     sources = cfg.source_list()
-    listings = [list_files(s) for s in sources]  # every path and extension checked before any Ray work
+    listings = check_sources(cfg)  # every path and extension checked before any Ray work
     reads = [read_source(s, i, listing) for i, (s, listing) in enumerate(zip(sources, listings))]
     everything = reads[0].union(*reads[1:]) if len(reads) > 1 else reads[0]
     summary = everything.map_batches(_summarise, fn_kwargs={"task": task}, batch_format="pyarrow").materialize()

@@ -23,7 +23,7 @@ from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, Sc
 from ray.train.torch import TorchTrainer
 
 from mlplat.config import Config, to_flat_params
-from mlplat.data.ingest import DataReport
+from mlplat.data.ingest import DataReport, check_sources
 from mlplat.data.loader import deterministic_data_config
 from mlplat.errors import ConfigError
 from mlplat.runtime import init_ray
@@ -73,6 +73,7 @@ class RecipeRun:
         eval_data = getattr(cfg, "eval_data", None)
         if eval_data and "://" not in eval_data and not Path(eval_data).is_file():
             raise ConfigError(f"eval_data: {eval_data} is not a file: give a held-out JSONL path, or leave eval_data unset")
+        check_sources(cfg.data)  # before a cluster or an MLflow run is started
         self.model_dir = resolve_model(cfg.model, download_dir=self.work_dir / "downloads", tracking_uri=self.tracking_uri)
         init_ray(num_training_workers=cfg.num_workers)
         tags = {"mlplat.recipe": recipe, "mlplat.base_model": cfg.model}
