@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 import ray
 import ray.data
@@ -36,4 +37,21 @@ def init_ray(address: str | None = None, num_training_workers: int = 2, progress
     if address:
         return ray.init(address=address, **ray_init_kwargs).dashboard_url
     num_cpus = max(os.cpu_count() or 1, num_training_workers + 2)
+    if ray_init_kwargs.get("include_dashboard") is False:
+        ray_init_kwargs.setdefault("dashboard_port", unused_port())
     return ray.init(num_cpus=num_cpus, _system_config=local_system_config(num_cpus), **ray_init_kwargs).dashboard_url
+
+
+def unused_port() -> int:
+    """A TCP port nothing listens on now, for a cluster started without a dashboard.
+
+    Such a cluster still advertises ``127.0.0.1:<dashboard_port>`` (default 8265) as its
+    state API. When another local cluster serves its dashboard there, every state query
+    from this one reaches that cluster: Ray Train's placement-group cleaner then hears that
+    the controller of a healthy run does not exist and removes the run's placement group
+    (its workers die with "placement group was removed"). A port of its own keeps the
+    queries failing plainly, which the cleaner tolerates.
+    """
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

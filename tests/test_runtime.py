@@ -1,0 +1,52 @@
+"""The embedded local cluster beside another one on the same machine (a quickstart next to the test suite)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import ray
+
+SECOND_CLUSTER = """
+import sys, ray
+print(ray.init(num_cpus=1, include_dashboard=True).dashboard_url, flush=True)
+sys.stdin.read()  # until the test closes stdin
+ray.shutdown()
+"""
+
+
+@ray.remote(num_cpus=0)
+class StateProbe:
+    """Asks the state API about an actor the way Ray Train's placement-group cleaner does."""
+
+    def ask(self, actor_id: str, gcs_address: str) -> str:
+        from ray.util.state import get_actor
+        from ray.util.state.exception import RayStateApiException
+
+        os.environ["RAY_ADDRESS"] = gcs_address  # what the cleaner's cached cluster discovery resolves to
+        try:
+            state = get_actor(actor_id, timeout=10)
+        except RayStateApiException:
+            return "unavailable"  # no dashboard here: the cleaner keeps monitoring
+        return "missing" if state is None else state.state
+
+
+@pytest.mark.slow
+def test_a_cluster_without_a_dashboard_never_hears_another_clusters_state_api(ray_cluster):
+    from ray._private import ray_constants
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    ours = _internal_kv_get(ray_constants.DASHBOARD_ADDRESS, namespace=ray_constants.KV_NAMESPACE_DASHBOARD).decode()
+    other = subprocess.Popen([sys.executable, "-c", SECOND_CLUSTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        theirs = other.stdout.readline().strip()
+        assert theirs, "the second cluster did not start"
+        assert ours != theirs, "both clusters advertise the same state API address"
+        probe = StateProbe.remote()
+        probe_id = probe._actor_id.hex()
+        # Before the fix this answered "missing" (from the other cluster), and the cleaner removed a healthy run's placement group.
+        assert ray.get(probe.ask.remote(probe_id, ray.get_runtime_context().gcs_address)) in ("unavailable", "ALIVE")
+        ray.kill(probe)
+    finally:
+        other.stdin.close()
+        other.wait(timeout=60)
