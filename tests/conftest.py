@@ -1,15 +1,22 @@
-"""Shared fixtures: one local Ray cluster per session, small demo data and a tiny model."""
+"""Shared fixtures: one local Ray cluster per session, small demo data, a tiny model, the session's
+SFT run (several modules inspect it) and a real Prometheus that can scrape it."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import socket
+import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MLPLAT = str(Path(sys.executable).with_name("mlplat"))  # the console script of the venv running the tests
+PROMETHEUS = shutil.which("prometheus")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
 
 
@@ -48,3 +55,98 @@ def tracking_uri(tmp_path, monkeypatch) -> str:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     return uri
+
+
+class PrometheusServer:
+    """Debian's Prometheus scraping the session's Ray cluster (Ray's service-discovery file format)."""
+
+    def __init__(self, workdir: Path):
+        import httpx
+
+        from mlplat.observability.prometheus import scrape_config, service_discovery_file
+
+        config = workdir / "prometheus.yml"
+        # Late in the suite the cluster's /metrics page is large: a scrape takes ~1 s on 2 cores, and a
+        # scrape's timeout is at most its interval (with 1 s, most scrapes failed: up == 0).
+        config.write_text(scrape_config(service_discovery_file(workdir), scrape_interval="5s"))
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        log = workdir / "prometheus.log"
+        command = [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"]
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log.open("w"))
+        self.url, self.started = f"http://127.0.0.1:{port}", time.time()
+        for _ in range(100):
+            try:
+                if httpx.get(f"{self.url}/-/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        pytest.fail(f"prometheus did not start: {log.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        """Scrapes cost the rest of the suite CPU: the test that needs them stops the server when done."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def prometheus(ray_cluster, tmp_path_factory):
+    if PROMETHEUS is None:
+        pytest.skip("the prometheus binary is not installed (Debian: apt-get install prometheus; `make test` does it where apt works)")
+    server = PrometheusServer(tmp_path_factory.mktemp("prometheus"))
+    yield server
+    server.stop()
+
+
+@dataclass
+class SFTRun:
+    cfg: object  # train_apps.sft.SFTConfig
+    result: object  # train_apps.sft.SFTResult
+    tracking_uri: str
+    workdir: Path
+    started: float  # time.time() when the run was started
+
+
+SFT_STEPS, SFT_BATCH = 100, 8  # packed rows of 64 tokens per worker and step
+
+
+@pytest.fixture(scope="session")
+def sft_run(ray_cluster, demo_data, tiny_model, tmp_path_factory) -> SFTRun:
+    """The session's plain SFT run: 2 DDP workers, profiled, two bad rows in its data.
+
+    A Ray Train job costs ~40-60 s to start here, so one run serves several tests:
+    tests/test_sft.py (metrics, registry, checkpoints, exact resume) and
+    tests/test_observability_prometheus.py (its metrics through Prometheus, its profile).
+    """
+    from mlplat.data.sft import SFTDataConfig
+    from mlplat.observability.profiling import ProfileConfig
+    from mlplat.train.optim import OptimizerConfig
+    from train_apps.sft import SFTConfig, run_sft
+
+    workdir = tmp_path_factory.mktemp("sft")
+    data = workdir / "sft.jsonl"
+    data.write_text(demo_data.sft.read_text() + '{"messages": "not a list"}\nnot json\n')  # two rejected rows
+    cfg = SFTConfig(
+        model=str(tiny_model),
+        data=SFTDataConfig(path=str(data), pack=True, max_seq_len=64),  # the quickstart covers unpacked
+        optim=OptimizerConfig(lr=1e-3, warmup_steps=10),
+        # 100 steps (~10 s): long enough for the workers to export their gauges to Prometheus at least
+        # once (Ray's processes send metrics to their node's agent every 10 s, and a worker's die with it).
+        max_steps=SFT_STEPS,
+        batch_size_per_worker=SFT_BATCH,
+        num_workers=2,
+        log_every=10,
+        checkpoint_every=20,
+        num_checkpoints_to_keep=2,
+        storage_path=str(workdir / "ray_train"),
+        experiment="test-sft",
+        registered_model="test-sft-model",
+        profile=ProfileConfig(steps=2, wait_steps=1, top=10),
+    )
+    tracking_uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    started = time.time()
+    return SFTRun(cfg, run_sft(cfg, tracking_uri=tracking_uri, work_dir=workdir / "outputs"), tracking_uri, workdir, started)

@@ -1,5 +1,5 @@
 """End to end through a real Prometheus: it scrapes the test Ray cluster (Ray's service-discovery
-file format), a short SFT run (profiled) and a small PD serving app emit metrics, and every panel
+file format), the session's SFT run (profiled; tests/conftest.py) and a small PD serving app emit metrics, and every panel
 of the training and serving dashboards returns data through Prometheus' HTTP API. Also: the step-time
 summary and the profiler trace land in MLflow, and a request id travels from the client through
 prefill and decode and back in error bodies.
@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import socket
-import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -23,56 +20,16 @@ import pytest
 from mlflow import MlflowClient
 from ray import serve
 
-from mlplat.data.sft import SFTDataConfig
 from mlplat.observability.dashboards import SERVING, TRAINING
-from mlplat.observability.profiling import ARTIFACT_DIR, TOP_OPERATORS, ProfileConfig
-from mlplat.observability.prometheus import ray_session_dir, scrape_config, service_discovery_file
+from mlplat.observability.profiling import ARTIFACT_DIR, TOP_OPERATORS
+from mlplat.observability.prometheus import ray_session_dir
 from mlplat.serve.config import ServeConfig
 from serve_apps.llm import build_app
-from train_apps.sft import SFTConfig, run_sft
 
-PROMETHEUS = shutil.which("prometheus")
 ENGINE = {"block_size": 16, "num_kv_blocks": 64, "max_num_seqs": 4, "max_waiting": 4}
 SMALL = {"num_cpus": 0.2}
 # What Grafana substitutes into the committed queries: "All" for every variable, a rate window.
 GRAFANA_VARIABLES = {"$run_id": ".*", "$model": ".*", "$__rate_interval": "30s"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def prometheus(ray_cluster, tmp_path):
-    if PROMETHEUS is None:
-        pytest.skip("the prometheus binary is not installed (Debian: apt-get install prometheus; `make test` does it where apt works)")
-    config = tmp_path / "prometheus.yml"
-    # Late in the suite the cluster's /metrics page is large: a scrape takes ~1 s on 2 cores, and a
-    # scrape's timeout is at most its interval (with 1 s, most scrapes failed: up == 0).
-    config.write_text(scrape_config(service_discovery_file(tmp_path), scrape_interval="5s"))
-    port = _free_port()
-    proc = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL,
-        stderr=(tmp_path / "prometheus.log").open("w"),
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(100):
-            try:
-                if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        else:
-            pytest.fail(f"prometheus did not start: {(tmp_path / 'prometheus.log').read_text()[-2000:]}")
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def _query_range(url: str, expr: str, start: float) -> list[float]:
@@ -119,23 +76,13 @@ def _requests(base: str, request_id: str) -> None:
 
 
 @pytest.mark.slow
-def test_dashboards_show_training_and_serving_through_prometheus(prometheus, tracking_uri, demo_data, tiny_model, tmp_path):
-    start = time.time()
+def test_dashboards_show_training_and_serving_through_prometheus(prometheus, sft_run, tiny_model, tmp_path):
+    # Prometheus first, then the session's SFT run (profiled, two bad rows: conftest.py) on a cluster with
+    # nothing else placed, as the default test order has it: its 2 workers and data pipeline need all 4 CPUs.
+    if sft_run.started < prometheus.started:
+        pytest.skip("the session's SFT run ran before Prometheus started: run this module before tests/test_sft.py (the default order)")
+    start, result, tracking_uri = prometheus.started, sft_run.result, sft_run.tracking_uri
     request_id = f"obs-{uuid.uuid4().hex[:8]}"
-    # SFT first, on a cluster with nothing else placed: its 2 workers and the data pipeline need all 4 CPUs.
-    rows = demo_data.sft.read_text().splitlines()[:256]
-    data = tmp_path / "sft.jsonl"
-    data.write_text("\n".join([*rows, '{"messages": "not a list"}', "not json"]) + "\n")  # two rejected rows
-    cfg = SFTConfig(
-        model=str(tiny_model),
-        data=SFTDataConfig(path=str(data), max_seq_len=64),
-        # Long enough (~10 s of steps) for the workers to export their gauges at least once: Ray's
-        # processes send metrics to their node's agent every 10 s, and a worker's die with it.
-        max_steps=100, log_every=10, batch_size_per_worker=8, num_workers=2, checkpoint_every=1000, checkpoint_hf=False,
-        storage_path=str(tmp_path / "ray_train"), experiment="test-observability", registered_model=None,
-        profile=ProfileConfig(steps=2, wait_steps=1, top=10),
-    )  # fmt: skip
-    result = run_sft(cfg, tracking_uri=tracking_uri, work_dir=tmp_path / "outputs")
 
     app = build_app(ServeConfig(model=str(tiny_model), model_name="tiny", mode="pd", engine_args=ENGINE,
                                 prefill=SMALL, decode=SMALL, ingress=SMALL, app_name="obs", route_prefix="/obs"))  # fmt: skip
@@ -146,7 +93,7 @@ def test_dashboards_show_training_and_serving_through_prometheus(prometheus, tra
         # Replicas report to their node's metrics agent every few seconds and rates need an increase
         # between two scrapes: keep sending small batches until every panel has data (or give up).
         deadline, batch = time.monotonic() + 90, 0
-        while (missing := _panels_without_data(prometheus, TRAINING, start) + _panels_without_data(prometheus, SERVING, start)) and (
+        while (missing := _panels_without_data(prometheus.url, TRAINING, start) + _panels_without_data(prometheus.url, SERVING, start)) and (
             time.monotonic() < deadline
         ):
             time.sleep(3)
@@ -161,6 +108,7 @@ def test_dashboards_show_training_and_serving_through_prometheus(prometheus, tra
             assert f"{request_id}-0" in text, deployment
     finally:
         serve.delete("obs")
+        prometheus.stop()  # nothing after this test reads it; its scrapes would cost the rest of the suite CPU
 
     # Profiling and the step-time summary are in the run.
     client = MlflowClient(tracking_uri)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MLPLAT
+from conftest import MLPLAT, SFT_BATCH, SFT_STEPS
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
@@ -24,36 +24,11 @@ def _checkpoint_at(storage: Path, step: int) -> Path:
     raise AssertionError(f"no checkpoint at step {step} under {storage}")
 
 
-BATCH = 8  # packed rows of 64 tokens per worker and step
-
-
-@pytest.fixture(scope="module")
-def two_worker_run(ray_cluster, demo_data, tiny_model, tmp_path_factory):
-    """One 60-step run on 2 DDP workers, inspected by the tests below (a Ray Train job costs ~40 s to start here)."""
-    tmp = tmp_path_factory.mktemp("sft")
-    tracking_uri = f"sqlite:///{tmp / 'mlflow.db'}"
-    cfg = SFTConfig(
-        model=str(tiny_model),
-        data=SFTDataConfig(path=str(demo_data.sft), pack=True, max_seq_len=64),  # the quickstart covers unpacked
-        optim=OptimizerConfig(lr=1e-3, warmup_steps=10),
-        max_steps=60,
-        batch_size_per_worker=BATCH,
-        num_workers=2,
-        log_every=10,
-        checkpoint_every=20,
-        num_checkpoints_to_keep=2,
-        storage_path=str(tmp / "ray_train"),
-        experiment="test-sft",
-        registered_model="test-sft-model",
-    )
-    return cfg, run_sft(cfg, tracking_uri=tracking_uri, work_dir=tmp / "outputs"), tracking_uri, tmp
-
-
 @pytest.mark.slow
-def test_sft_on_two_workers_improves_loss_and_registers(two_worker_run, tiny_model):
-    _, result, tracking_uri, tmp_path = two_worker_run
+def test_sft_on_two_workers_improves_loss_and_registers(sft_run, tiny_model):
+    result, tracking_uri, tmp_path = sft_run.result, sft_run.tracking_uri, sft_run.workdir
 
-    # Learning happened: the step-60 loss is well below the step-10 loss.
+    # Learning happened: the last loss is well below the step-10 loss.
     assert result.final_loss < 0.8 * result.first_loss, (result.first_loss, result.final_loss)
     base, tuned = load_model(tiny_model), load_model(result.model_dir)
     assert not torch.equal(base.model.layers[0].mlp.up_proj.weight, tuned.model.layers[0].mlp.up_proj.weight)
@@ -63,17 +38,17 @@ def test_sft_on_two_workers_improves_loss_and_registers(two_worker_run, tiny_mod
     run = client.get_run(result.run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["optim.lr"] == "0.001" and run.data.params["num_workers"] == "2"
-    assert [m.step for m in client.get_metric_history(result.run_id, "loss")] == [10, 20, 30, 40, 50, 60]
+    assert [m.step for m in client.get_metric_history(result.run_id, "loss")] == list(range(10, SFT_STEPS + 1, 10))
     for name in ("tokens_per_s", "tokens_per_s_per_worker", "mfu", "time/forward_s", "time/backward_s", "time/optimizer_s"):
         assert all(m.value > 0 for m in client.get_metric_history(result.run_id, name)), name
     assert 0 <= run.data.metrics["data_wait_fraction"] < 1 and 0 <= result.data_wait_fraction < 1
     assert run.data.metrics["mfu"] < 1
     assert 0.5 < run.data.metrics["data/packing_efficiency"] <= 1  # packed rows: mostly real tokens
-    assert run.data.metrics["data/tokens"] > 60 * 32 * 10  # cumulative, all ranks
+    assert run.data.metrics["data/tokens"] > SFT_STEPS * 32 * 10  # cumulative, all ranks
     assert len(run.data.tags["mlplat.data.fingerprint"]) == 16 and run.data.tags["mlplat.checkpoint.latest"] == result.checkpoint_path
-    assert run.data.metrics["data.bad_rows"] == 0
+    assert run.data.metrics["data.bad_rows"] == 2  # the two rows the fixture spoiled
     # Straggler detection ran every window and, with no slow rank, flagged nothing (tests/test_health_sft.py injects one).
-    assert [m.value for m in client.get_metric_history(result.run_id, "health/stragglers")] == [0.0] * 6
+    assert [m.value for m in client.get_metric_history(result.run_id, "health/stragglers")] == [0.0] * (SFT_STEPS // 10)
     assert not any(key.startswith("mlplat.health") for key in run.data.tags)
     assert result.model_version.uri == "models:/test-sft-model/1"
     assert str(client.get_model_version_by_alias("test-sft-model", "candidate").version) == "1"
@@ -87,14 +62,15 @@ def test_sft_on_two_workers_improves_loss_and_registers(two_worker_run, tiny_mod
         assert (ckpt / MODEL_DIR / "model.safetensors").is_file() and (ckpt / TRAIN_STATE).is_file()
         assert (ckpt / SHARDED_DIR / ".metadata").is_file()
     state = torch.load(checkpoints[-1] / TRAIN_STATE, weights_only=True)["state"]
-    assert state["step"] == 60 and state["data"]["rows_consumed"] == 60 * BATCH
+    assert state["step"] == SFT_STEPS and state["data"]["rows_consumed"] == SFT_STEPS * SFT_BATCH
 
 
 @pytest.mark.slow
-def test_resume_from_checkpoint_reproduces_the_straight_run(two_worker_run, tmp_path):
-    cfg, straight, tracking_uri, run_dir = two_worker_run
-    # A new job from the step-40 checkpoint (sharded DCP + data position) redoes steps 41..60.
-    ckpt = _checkpoint_at(run_dir / "ray_train", 40)
+def test_resume_from_checkpoint_reproduces_the_straight_run(sft_run, tmp_path):
+    cfg, straight, tracking_uri = sft_run.cfg, sft_run.result, sft_run.tracking_uri
+    # A new job from the second-to-last checkpoint (sharded DCP + data position) redoes the last 20 steps.
+    from_step = SFT_STEPS - 20
+    ckpt = _checkpoint_at(sft_run.workdir / "ray_train", from_step)
     exported = export_checkpoint(ckpt, tmp_path / "exported")  # from the DCP shards, on one process
     for name, tensor in load_file(ckpt / MODEL_DIR / "model.safetensors").items():
         torch.testing.assert_close(load_file(exported / "model.safetensors")[name], tensor, rtol=0, atol=0)
@@ -104,10 +80,10 @@ def test_resume_from_checkpoint_reproduces_the_straight_run(two_worker_run, tmp_
     client = MlflowClient(tracking_uri)
     losses = {m.step: m.value for m in client.get_metric_history(straight.run_id, "loss")}
     resumed_losses = {m.step: m.value for m in client.get_metric_history(resumed.run_id, "loss")}
-    assert sorted(resumed_losses) == [50, 60]  # the windows of steps 41..50 and 51..60, as in the straight run
-    for step in (50, 60):
+    assert sorted(resumed_losses) == [from_step + 10, SFT_STEPS]  # the last two logging windows, as in the straight run
+    for step in (from_step + 10, SFT_STEPS):
         assert resumed_losses[step] == pytest.approx(losses[step], rel=1e-5, abs=1e-6), step
-    assert client.get_metric_history(resumed.run_id, "restored_from_step")[0].value == 40
+    assert client.get_metric_history(resumed.run_id, "restored_from_step")[0].value == from_step
     # The same batches in the same order and the same optimizer state: the weights at the end agree too.
     for name, tensor in load_file(Path(straight.model_dir) / "model.safetensors").items():
         torch.testing.assert_close(load_file(Path(resumed.model_dir) / "model.safetensors")[name], tensor, rtol=1e-4, atol=1e-6)
