@@ -258,10 +258,10 @@ def sft_data_wait(corpus: Path, model_dir: Path, max_seq_len: int, steps: int, b
         from train_apps.sft import SFTConfig, SFTResult, run_sft
     except ImportError as err:  # the recipe is broken: say so, measure the rest
         print(f"data_wait_fraction: skipped (cannot import train_apps.sft: {err})")
-        return {"data_wait_fraction": None, "data_wait_skipped": f"cannot import train_apps.sft: {err}"}
+        return {"data_wait_fraction": None, "data_wait_fraction_after_first_window": None, "data_wait_skipped": f"cannot import train_apps.sft: {err}"}
     if "data_wait_fraction" not in SFTResult.model_fields:
         print("data_wait_fraction: skipped (train_apps.sft.SFTResult has no data_wait_fraction field yet)")
-        return {"data_wait_fraction": None, "data_wait_skipped": "SFTResult has no data_wait_fraction"}
+        return {"data_wait_fraction": None, "data_wait_fraction_after_first_window": None, "data_wait_skipped": "SFTResult has no data_wait_fraction"}
     cfg = SFTConfig(
         model=str(model_dir),
         # Each tokenizer actor holds a CPU for the whole run, beside the training workers: leave
@@ -284,7 +284,7 @@ def sft_data_wait(corpus: Path, model_dir: Path, max_seq_len: int, steps: int, b
         seconds = time.perf_counter() - start
     finally:
         ray.shutdown()
-    first_window, later = data_wait_by_window(tracking_uri, result.run_id, cfg.log_every)
+    first_window, later = data_wait_after_first_window(tracking_uri, result.run_id)
     return {
         "data_wait_fraction": result.data_wait_fraction,
         # The same share without the first log window, whose first batch waits for the pipeline to start
@@ -300,22 +300,17 @@ def sft_data_wait(corpus: Path, model_dir: Path, max_seq_len: int, steps: int, b
     }
 
 
-def data_wait_by_window(tracking_uri: str, run_id: str, log_every: int) -> tuple[float, float | None]:
-    """(seconds rank 0 waited for data in the first log window, data-wait share of step time in the later ones)."""
+def data_wait_after_first_window(tracking_uri: str, run_id: str) -> tuple[float, float | None]:
+    """(seconds rank 0 waited for data in the first log window, data-wait share of step time in the later ones),
+    from the running totals the recipe logs at every window (``run/data_wait_s``, ``run/step_s``)."""
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri)
-
-    def per_window(key: str) -> dict[int, float]:  # the recipe logs per-step means of each window
-        return {m.step: m.value for m in client.get_metric_history(run_id, key)}
-
-    wait, step = per_window("time/data_wait_s"), per_window("time/step_s")
-    first = min(wait)
-    later = [s for s in wait if s != first]
-    first_wait = wait[first] * first  # the first window's steps: 1..first
-    if not later:
-        return first_wait, None
-    return first_wait, sum(wait[s] for s in later) / sum(step[s] for s in later)
+    wait, step = ({m.step: m.value for m in client.get_metric_history(run_id, key)} for key in ("run/data_wait_s", "run/step_s"))
+    first, last = min(wait), max(wait)
+    if first == last:
+        return wait[first], None
+    return wait[first], (wait[last] - wait[first]) / (step[last] - step[first])
 
 
 def main() -> None:

@@ -11,8 +11,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from train_apps.sft import SFTConfig, SFTResult
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MLPLAT = str(Path(sys.executable).with_name("mlplat"))  # the console script of the venv running the tests
@@ -104,8 +108,8 @@ def prometheus(ray_cluster, tmp_path_factory):
 
 @dataclass
 class SFTRun:
-    cfg: object  # train_apps.sft.SFTConfig
-    result: object  # train_apps.sft.SFTResult
+    cfg: SFTConfig
+    result: SFTResult
     tracking_uri: str
     workdir: Path
     started: float  # time.time() when the run was started

@@ -48,7 +48,7 @@ def test_sft_on_two_workers_improves_loss_and_registers(sft_run, tiny_model):
     assert len(run.data.tags["mlplat.data.fingerprint"]) == 16 and run.data.tags["mlplat.checkpoint.latest"] == result.checkpoint_path
     assert run.data.metrics["data.bad_rows"] == 2  # the two rows the fixture spoiled
     # Straggler detection ran every window and, with no slow rank, flagged nothing (tests/test_sft_resume.py injects one).
-    assert [m.value for m in client.get_metric_history(result.run_id, "health/stragglers")] == [0.0] * (SFT_STEPS // 10)
+    assert [m.value for m in client.get_metric_history(result.run_id, "health/stragglers")] == [0.0] * (SFT_STEPS // sft_run.cfg.log_every)
     assert not any(key.startswith("mlplat.health") for key in run.data.tags)
     assert result.model_version.uri == "models:/test-sft-model/1"
     assert str(client.get_model_version_by_alias("test-sft-model", "candidate").version) == "1"
@@ -74,7 +74,7 @@ def test_resume_from_checkpoint_reproduces_the_straight_run(sft_run, tmp_path):
     exported = export_checkpoint(ckpt, tmp_path / "exported")  # from the DCP shards, on one process
     for name, tensor in load_file(ckpt / MODEL_DIR / "model.safetensors").items():
         torch.testing.assert_close(load_file(exported / "model.safetensors")[name], tensor, rtol=0, atol=0)
-    resumed_cfg = cfg.model_copy(update={"resume_from": str(ckpt), "storage_path": str(tmp_path / "ray_train"), "registered_model": None})
+    resumed_cfg = cfg.model_copy(update={"resume_from": str(ckpt), "storage_path": str(tmp_path / "ray_train"), "registered_model": None, "profile": None})
     resumed = run_sft(resumed_cfg, tracking_uri, tmp_path / "out")
 
     client = MlflowClient(tracking_uri)

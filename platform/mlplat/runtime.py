@@ -25,7 +25,7 @@ def local_system_config(num_cpus: int) -> dict:
 
 
 def init_ray(address: str | None = None, num_training_workers: int = 2, progress_bars: bool = False, **ray_init_kwargs) -> str | None:
-    """Connect to ``address`` or start a local cluster; returns the dashboard URL if we started one.
+    """Connect to ``address`` (or ``RAY_ADDRESS``) or start a local cluster; returns the dashboard URL if we started one.
 
     A local cluster advertises at least ``num_training_workers + 2`` logical CPUs: the
     training workers hold one each, and the data pipeline's tasks must still be
@@ -34,6 +34,7 @@ def init_ray(address: str | None = None, num_training_workers: int = 2, progress
     ray.data.DataContext.get_current().enable_progress_bars = progress_bars
     if ray.is_initialized():
         return None
+    address = address or os.environ.get("RAY_ADDRESS")  # set inside a Ray job (ray job submit)
     if address:
         return ray.init(address=address, **ray_init_kwargs).dashboard_url
     num_cpus = max(os.cpu_count() or 1, num_training_workers + 2)

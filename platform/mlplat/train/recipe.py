@@ -23,7 +23,7 @@ from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, Sc
 from ray.train.torch import TorchTrainer
 
 from mlplat.config import Config, to_flat_params
-from mlplat.data.ingest import DataReport, check_sources
+from mlplat.data.ingest import DataConfig, DataReport, check_sources
 from mlplat.data.loader import deterministic_data_config
 from mlplat.errors import ConfigError
 from mlplat.runtime import init_ray
@@ -36,6 +36,7 @@ from mlplat.train.parallel import ParallelConfig, parallelize
 
 class RecipeConfig(Config):
     model: str  # local HF checkpoint directory or models:/NAME/VERSION|@ALIAS
+    data: DataConfig  # each recipe narrows it to its task's rows
     optim: OptimizerConfig = OptimizerConfig()
     parallel: ParallelConfig = ParallelConfig()
     max_steps: int = Field(default=200, gt=0)
