@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -68,14 +67,13 @@ class PrometheusServer:
         import httpx
 
         from mlplat.observability.prometheus import scrape_config, service_discovery_file
+        from mlplat.runtime import unused_port
 
         config = workdir / "prometheus.yml"
         # Late in the suite the cluster's /metrics page is large: a scrape takes ~1 s on 2 cores, and a
         # scrape's timeout is at most its interval (with 1 s, most scrapes failed: up == 0).
         config.write_text(scrape_config(service_discovery_file(workdir), scrape_interval="5s"))
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = unused_port()
         log = workdir / "prometheus.log"
         command = [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"]
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log.open("w"))

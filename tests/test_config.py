@@ -80,6 +80,20 @@ def test_a_wrong_data_path_fails_before_a_cluster_or_a_run_starts(tiny_model, tm
     assert "Started a local Ray instance" not in out.stderr and not (tmp_path / "mlflow.db").exists()
 
 
+@pytest.mark.parametrize("recipe", ["reward_model", "dpo", "grpo"])
+def test_post_training_recipes_check_their_data_before_starting_a_run(recipe, tiny_model, tmp_path):
+    import importlib
+
+    from mlplat.cli import RECIPES
+    from mlplat.errors import DataError
+
+    module, (_, config_class, run) = importlib.import_module(f"train_apps.{recipe}"), RECIPES[recipe]
+    cfg = getattr(module, config_class)(model=str(tiny_model), data={"path": str(tmp_path / "missing.jsonl")})
+    with pytest.raises(DataError, match="missing.jsonl: data path not found"):
+        getattr(module, run)(cfg, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", work_dir=tmp_path)
+    assert not (tmp_path / "mlflow.db").exists()  # no MLflow run was started for it
+
+
 def test_cli_bad_arguments_are_usage_errors():
     out = subprocess.run([MLPLAT, "train", "nonsense"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "invalid choice" in out.stderr and "Traceback" not in out.stderr

@@ -36,7 +36,8 @@ def init_ray(address: str | None = None, num_training_workers: int = 2, progress
         return None
     address = address or os.environ.get("RAY_ADDRESS")  # set inside a Ray job (ray job submit)
     if address:
-        return ray.init(address=address, **ray_init_kwargs).dashboard_url
+        ray.init(address=address, **ray_init_kwargs)
+        return None
     num_cpus = max(os.cpu_count() or 1, num_training_workers + 2)
     if ray_init_kwargs.get("include_dashboard") is False:
         ray_init_kwargs.setdefault("dashboard_port", unused_port())

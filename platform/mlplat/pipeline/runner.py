@@ -67,17 +67,6 @@ class PipelineResult(BaseModel):
     dashboard_url: str | None = None  # set when the run started its own local Ray cluster
 
 
-def connect_ray(address: str | None = None, namespace: str | None = None) -> str | None:
-    """Join ``address`` (or ``RAY_ADDRESS``, set inside a Ray job), else start the embedded local cluster."""
-    if ray.is_initialized():
-        return None
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, namespace=namespace)
-        return None
-    return init_ray(None)
-
-
 def cache_key(node: Node, arguments: dict[str, Any]) -> str:
     fn = node.step.fn
     identity = {
@@ -108,7 +97,7 @@ def run_graph(
     tracking_uri: str | None = None,
     code_root: str | None = None,
 ) -> PipelineResult:
-    dashboard_url = connect_ray(address, namespace)
+    dashboard_url = init_ray(address, namespace=namespace)  # joins RAY_ADDRESS inside a Ray job
     run = _PipelineRun(graph, experiment, use_cache, tracking_uri or default_tracking_uri(), workdir, code_root)
     result = run.execute()
     result.dashboard_url = dashboard_url
