@@ -264,9 +264,8 @@ def sft_data_wait(corpus: Path, model_dir: Path, max_seq_len: int, steps: int, b
         return {"data_wait_fraction": None, "data_wait_fraction_after_first_window": None, "data_wait_skipped": "SFTResult has no data_wait_fraction"}
     cfg = SFTConfig(
         model=str(model_dir),
-        # Each tokenizer actor holds a CPU for the whole run, beside the training workers: leave
-        # one for the read/validate/pack tasks, or the stream never starts (Ray waits for a CPU).
-        data=SFTDataConfig(path=str(corpus), max_seq_len=max_seq_len, pack=True, tokenize_concurrency=max(1, NUM_CPUS - num_workers - 1)),
+        # The recipe's default tokenize_concurrency: tokenizer tasks on whatever CPUs the trainers leave free.
+        data=SFTDataConfig(path=str(corpus), max_seq_len=max_seq_len, pack=True),
         max_steps=steps,
         batch_size_per_worker=batch_size,
         num_workers=num_workers,

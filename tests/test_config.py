@@ -94,6 +94,16 @@ def test_post_training_recipes_check_their_data_before_starting_a_run(recipe, ti
     assert not (tmp_path / "mlflow.db").exists()  # no MLflow run was started for it
 
 
+def test_resume_from_a_directory_that_is_no_training_checkpoint_is_refused_first(tiny_model, demo_data, tmp_path):
+    from mlplat.errors import CheckpointError
+    from train_apps.sft import SFTConfig, run_sft
+
+    cfg = SFTConfig(model=str(tiny_model), data={"path": str(demo_data.sft)}, resume_from=str(tmp_path))
+    with pytest.raises(CheckpointError, match=f"resume_from: {tmp_path} is not a training checkpoint directory"):
+        run_sft(cfg, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", work_dir=tmp_path)
+    assert not (tmp_path / "mlflow.db").exists()
+
+
 def test_cli_bad_arguments_are_usage_errors():
     out = subprocess.run([MLPLAT, "train", "nonsense"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "invalid choice" in out.stderr and "Traceback" not in out.stderr

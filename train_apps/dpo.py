@@ -32,16 +32,15 @@ import ray.train
 import torch
 from pydantic import BaseModel, Field
 
-from mlplat.data.loader import ShardLoader
-from mlplat.data.preference import PairCollate, PreferenceDataConfig, prepare_preference_dataset, read_preference_pairs
+from mlplat.data.preference import PreferenceDataConfig, prepare_preference_dataset, read_preference_pairs
 from mlplat.models import load_model, load_tokenizer
 from mlplat.tracking import ModelRef, RunLogger
-from mlplat.train.batch import model_inputs
+from mlplat.train.batch import PairCollate, model_inputs
 from mlplat.train.checkpoint import CheckpointMeta
 from mlplat.train.losses import dpo_loss, sequence_logprobs
 from mlplat.train.optim import OptimizerConfig
 from mlplat.train.parallel import unwrap
-from mlplat.train.recipe import MetricWindow, RecipeConfig, RecipeRun, save_and_report, trainable, worker_setup
+from mlplat.train.recipe import MetricWindow, RecipeConfig, RecipeRun, save_and_report, train_shard, trainable, worker_setup
 
 
 class DPOConfig(RecipeConfig):
@@ -77,9 +76,9 @@ def train_loop_per_worker(config: dict) -> None:
     device = worker_setup(cfg)
     tokenizer = load_tokenizer(config["model_dir"])
 
+    loader = train_shard(cfg, PairCollate(tokenizer.pad_token_id))
     policy, optimizer, scheduler, state = trainable(load_model(config["model_dir"]), cfg, device)
     reference = load_model(config["model_dir"], device=device).eval().requires_grad_(False)
-    loader = ShardLoader(ray.train.get_dataset_shard("train"), cfg.batch_size_per_worker, PairCollate(tokenizer.pad_token_id), cfg.seed, position=state.data)
     meta = CheckpointMeta(base_model=config["model_dir"], format="consolidated")
     held_out = read_preference_pairs(cfg.eval_data, tokenizer, cfg.data.max_seq_len) if cfg.eval_data and logger else None
     if held_out and state.step == 0:

@@ -43,7 +43,6 @@ from ray.data.collate_fn import NumpyBatchCollateFn
 
 from mlplat.data.demo import extract_answer
 from mlplat.data.ingest import DataConfig
-from mlplat.data.loader import ShardLoader
 from mlplat.data.rl_prompts import prepare_rl_prompt_dataset, prompt_messages
 from mlplat.evaluation import read_eval_rows
 from mlplat.models import load_model, load_tokenizer
@@ -56,7 +55,16 @@ from mlplat.train.checkpoint import CheckpointMeta
 from mlplat.train.losses import group_advantages, grpo_loss, token_logprobs
 from mlplat.train.optim import OptimizerConfig
 from mlplat.train.parallel import full_state_dict
-from mlplat.train.recipe import MetricWindow, RecipeConfig, RecipeRun, reduce_over_ranks, save_and_report, trainable, worker_setup
+from mlplat.train.recipe import (
+    MetricWindow,
+    RecipeConfig,
+    RecipeRun,
+    reduce_over_ranks,
+    save_and_report,
+    train_shard,
+    trainable,
+    worker_setup,
+)
 
 
 class GRPOConfig(RecipeConfig):
@@ -142,11 +150,11 @@ def train_loop_per_worker(config: dict) -> None:
     rollout_workers, reward_fn = config["rollout_workers"], build_reward_fn(cfg.reward, config.get("reward_scorer"))
     my_rollout = rollout_workers[rank % len(rollout_workers)]
 
+    loader = train_shard(cfg, RowsCollate())
     policy, optimizer, scheduler, state = trainable(load_model(config["model_dir"]), cfg, device)
     reference = load_model(config["model_dir"], device=device).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
     if state.step > 0:  # restarted from a checkpoint: the actors may hold other weights
         sync_weights(policy, rollout_workers, rank)
-    loader = ShardLoader(ray.train.get_dataset_shard("train"), cfg.batch_size_per_worker, RowsCollate(), cfg.seed, position=state.data)
     meta = CheckpointMeta(base_model=config["model_dir"], format="consolidated")
     sampling = {"n": cfg.group_size, "max_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p}
     eval_rows = read_eval_rows(cfg.eval_data, cfg.eval_limit) if cfg.eval_data and logger else None

@@ -26,14 +26,14 @@ import ray.train
 import torch
 from pydantic import BaseModel
 
-from mlplat.data.loader import ShardLoader
-from mlplat.data.preference import PairCollate, PreferenceDataConfig, prepare_preference_dataset, read_preference_pairs
+from mlplat.data.preference import PreferenceDataConfig, prepare_preference_dataset, read_preference_pairs
 from mlplat.models import load_reward_model, load_tokenizer
 from mlplat.tracking import ModelRef, RunLogger
+from mlplat.train.batch import PairCollate
 from mlplat.train.checkpoint import CheckpointMeta
 from mlplat.train.losses import bradley_terry_loss
 from mlplat.train.parallel import unwrap
-from mlplat.train.recipe import MetricWindow, RecipeConfig, RecipeRun, save_and_report, trainable, worker_setup
+from mlplat.train.recipe import MetricWindow, RecipeConfig, RecipeRun, save_and_report, train_shard, trainable, worker_setup
 
 
 class RewardModelConfig(RecipeConfig):
@@ -59,8 +59,8 @@ def train_loop_per_worker(config: dict) -> None:
     device = worker_setup(cfg)
     tokenizer = load_tokenizer(config["model_dir"])
 
+    loader = train_shard(cfg, PairCollate(tokenizer.pad_token_id))
     model, optimizer, scheduler, state = trainable(load_reward_model(config["model_dir"]), cfg, device)
-    loader = ShardLoader(ray.train.get_dataset_shard("train"), cfg.batch_size_per_worker, PairCollate(tokenizer.pad_token_id), cfg.seed, position=state.data)
     meta = CheckpointMeta(base_model=config["model_dir"], format="consolidated")
     window = MetricWindow()
 

@@ -39,7 +39,7 @@ from ray.train.torch import TorchTrainer
 from mlplat.config import Config, to_flat_params
 from mlplat.data.ingest import check_sources
 from mlplat.data.loader import ShardLoader, deterministic_data_config
-from mlplat.data.sft import DataReport, PadCollate, SFTDataConfig, prepare_sft_dataset
+from mlplat.data.sft import DataReport, SFTDataConfig, prepare_sft_dataset
 from mlplat.errors import CheckpointError, ConfigError
 from mlplat.health.marking import accepted_worker_resources
 from mlplat.health.training import FaultInjection, RankHealth, TrainingHealthConfig
@@ -48,7 +48,8 @@ from mlplat.observability import catalogue as metrics_catalogue
 from mlplat.observability.profiling import ProfileConfig, StepProfiler, step_time_summary
 from mlplat.runtime import init_ray
 from mlplat.tracking import ModelRef, RunLogger, register_model_dir, resolve_model, start_run
-from mlplat.train.checkpoint import MODEL_DIR, TRAIN_STATE, CheckpointFormat, CheckpointMeta, TrainState, load_checkpoint
+from mlplat.train.batch import PadCollate
+from mlplat.train.checkpoint import MODEL_DIR, TRAIN_STATE, CheckpointFormat, CheckpointMeta, TrainState, load_checkpoint, read_train_state
 from mlplat.train.lora import LoRAConfig, apply_lora
 from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer
 from mlplat.train.parallel import ParallelConfig, parallelize, unwrap
@@ -132,7 +133,18 @@ def _train(cfg: SFTConfig, config: dict, rank: int, world_size: int, logger: Run
     if not cfg.use_gpu:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     device = ray.train.torch.get_device()
+    tokenizer = load_tokenizer(config["model_dir"])
+    # A restart after a failure continues from this run's latest checkpoint; a new run from resume_from.
+    checkpoint = ray.train.get_checkpoint() or (Checkpoint(cfg.resume_from) if cfg.resume_from else None)
 
+    # The data stream starts first, at the checkpoint's data position: its start-up overlaps building the model.
+    loader = ShardLoader(
+        ray.train.get_dataset_shard("train"),
+        cfg.batch_size_per_worker,
+        collate_fn=None if cfg.data.pack else PadCollate(tokenizer.pad_token_id),  # packed rows are fixed-length
+        seed=cfg.seed,
+        position=read_train_state(checkpoint).data if checkpoint else None,
+    )
     model = load_model(config["model_dir"])
     if cfg.lora:
         model = apply_lora(model, cfg.lora)
@@ -140,22 +152,11 @@ def _train(cfg: SFTConfig, config: dict, rank: int, world_size: int, logger: Run
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.max_steps)
     state = TrainState()
-    # A restart after a failure continues from this run's latest checkpoint; a new run from resume_from.
-    checkpoint = ray.train.get_checkpoint() or (Checkpoint(cfg.resume_from) if cfg.resume_from else None)
     if checkpoint:
         with checkpoint.as_directory() as ckpt:
             state = load_checkpoint(Path(ckpt), model, optimizer, scheduler)
         if logger:
             logger.log_metrics({"restored_from_step": state.step}, step=state.step)
-    tokenizer = load_tokenizer(config["model_dir"])
-
-    loader = ShardLoader(
-        ray.train.get_dataset_shard("train"),
-        cfg.batch_size_per_worker,
-        collate_fn=None if cfg.data.pack else PadCollate(tokenizer.pad_token_id),  # packed rows are fixed-length
-        seed=cfg.seed,
-        position=state.data,
-    )
     timer = PhaseTimer(device)
     meta = CheckpointMeta(base_model=config["model_dir"], lora=cfg.lora.model_dump() if cfg.lora else None, format=cfg.checkpoint_format)
     window = _Window(world_size, flops_per_token(unwrap(model), cfg.data.max_seq_len), peak_flops(device, config["peak_tflops"]))
@@ -294,10 +295,10 @@ def run_sft(cfg: SFTConfig, tracking_uri: str | None = None, work_dir: str | Pat
     if cfg.resume_from:
         if "://" not in cfg.resume_from:  # workers may run elsewhere: an absolute path
             cfg = cfg.model_copy(update={"resume_from": str(Path(cfg.resume_from).resolve())})
-        with Checkpoint(cfg.resume_from).as_directory() as ckpt:
-            if not (Path(ckpt) / TRAIN_STATE).is_file():
-                raise CheckpointError(f"resume_from: {cfg.resume_from} is not a training checkpoint directory (no {TRAIN_STATE})")
-            resumed_step = torch.load(Path(ckpt) / TRAIN_STATE, weights_only=True)["state"]["step"]
+        try:
+            resumed_step = read_train_state(Checkpoint(cfg.resume_from)).step
+        except FileNotFoundError:
+            raise CheckpointError(f"resume_from: {cfg.resume_from} is not a training checkpoint directory (no {TRAIN_STATE})") from None
         if resumed_step >= cfg.max_steps:
             raise ConfigError(f"resume_from: the checkpoint is at step {resumed_step}, not before max_steps={cfg.max_steps}: raise max_steps")
     check_sources(cfg.data)  # a wrong data path fails here, before a cluster or an MLflow run is started

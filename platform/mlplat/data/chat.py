@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mlplat.data.labels import IGNORE_INDEX
 from mlplat.data.schemas import ROLES, row_error
 from mlplat.errors import DataError
-from mlplat.train.batch import IGNORE_INDEX
 
 __all__ = ["ROLES", "chat_row_error", "check_chat_template", "load_chat_tokenizer", "resolve_chat_template", "tokenize_chat"]
 

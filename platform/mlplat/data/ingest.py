@@ -261,5 +261,5 @@ def tokenize_rows(rows: ray.data.Dataset, tokenizer_udf: type, tokenizer_path: s
         _tokenize,
         fn_kwargs={"tokenizer_udf": tokenizer_udf, "tokenizer_path": tokenizer_path, "max_seq_len": max_seq_len, "chat_template": chat_template},
         batch_format="numpy",
-        concurrency=concurrency,
+        compute=ray.data.TaskPoolStrategy(size=concurrency),
     )

@@ -8,12 +8,18 @@ a checkpoint is (epoch, batches drawn in that epoch); resuming replays the epoch
 stream and discards that many batches, so nothing is trained on twice or skipped. The
 discarded batches are still read and tokenized: resume costs up to one epoch of
 ingestion, never training compute.
+
+The stream starts when the loader is made, in a background thread: a recipe makes it
+before building and restoring its model, so the pipeline's start-up (Ray Data's
+coordinator, the first read and tokenizer tasks, replaying a resumed epoch) overlaps
+that work instead of following it.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from pydantic import BaseModel
 from ray.data import DataIterator, ExecutionOptions
@@ -47,7 +53,14 @@ class ShardLoader:
         self.shuffle_buffer = shuffle_buffer_batches * batch_size if shuffle_buffer_batches else None
         self.position = position.model_copy() if position else DataPosition()
         self.wait_s = 0.0  # time spent blocked on the next batch, summed until read and reset by the caller
+        self._batches: Iterator[dict] | None = None
+        starter = ThreadPoolExecutor(1, thread_name_prefix="shard-loader-start")
+        self._first: Future[dict | None] | None = starter.submit(self._start)
+        starter.shutdown(wait=False)  # the submitted start still runs; the thread ends with it
+
+    def _start(self) -> dict | None:
         self._batches = self._epoch(skip=self.position.batches_in_epoch)
+        return next(self._batches, None)
 
     def _epoch(self, skip: int) -> Iterator[dict]:
         batches = self.shard.iter_torch_batches(
@@ -64,7 +77,11 @@ class ShardLoader:
 
     def next(self) -> dict:
         start = time.perf_counter()
-        batch = next(self._batches, None)
+        if self._first is not None:
+            batch = self._first.result()  # raises what the start raised
+            self._first = None
+        else:
+            batch = next(self._batches, None)
         if batch is None:  # end of the epoch: the next one starts a fresh pass over the dataset
             empty_epoch = self.position.batches_in_epoch == 0
             self.position = DataPosition(epoch=self.position.epoch + 1, rows_consumed=self.position.rows_consumed)

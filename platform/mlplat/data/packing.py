@@ -15,9 +15,8 @@ from collections.abc import Sequence
 
 import numpy as np
 import ray.data
-import torch
 
-from mlplat.train.batch import IGNORE_INDEX, PAD_SEQ_ID
+from mlplat.data.labels import IGNORE_INDEX, PAD_SEQ_ID
 
 
 def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -102,11 +101,11 @@ def pack_dataset(
         fn_kwargs={"max_len": max_len, "pad_token_id": pad_token_id},
         batch_size=window_rows,
         batch_format="numpy",
-        concurrency=concurrency,
+        compute=ray.data.TaskPoolStrategy(size=concurrency),
     )
 
 
-def packing_efficiency(seq_ids: np.ndarray | torch.Tensor) -> float:
-    """Share of non-padding tokens in packed rows: non-pad tokens / total tokens."""
+def packing_efficiency(seq_ids) -> float:
+    """Share of non-padding tokens in packed rows (an array or tensor of seq_ids): non-pad tokens / total tokens."""
     seq_ids = np.asarray(seq_ids)
     return float((seq_ids != PAD_SEQ_ID).sum() / max(seq_ids.size, 1))

@@ -16,15 +16,13 @@ from pathlib import Path
 import numpy as np
 import ray
 import ray.data
-import torch
 from pydantic import Field
-from ray.data.collate_fn import NumpyBatchCollateFn
 
 from mlplat.data.chat import assistant_mask, load_chat_tokenizer, resolve_chat_template
 from mlplat.data.ingest import DataConfig, DataReport, prepare_rows, tokenize_rows
+from mlplat.data.labels import IGNORE_INDEX
 from mlplat.data.schemas import as_messages
 from mlplat.errors import DataError
-from mlplat.train.batch import IGNORE_INDEX, pad_collate
 
 SIDES = ("chosen", "rejected")
 
@@ -98,17 +96,6 @@ class PreferenceTokenizer:
             for key, values in tokenize_preference(self.tokenizer, json.loads(line), self.max_seq_len).items():
                 out[key].append(np.asarray(values, dtype=np.int64))
         return out
-
-
-class PairCollate(NumpyBatchCollateFn):
-    """Chosen rows then rejected rows, right-padded into one batch of 2B: one forward scores both sides."""
-
-    def __init__(self, pad_token_id: int):
-        self.pad_token_id = pad_token_id
-
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        both = {key: [*batch[f"chosen_{key}"], *batch[f"rejected_{key}"]] for key in ("input_ids", "labels")}
-        return pad_collate(both, self.pad_token_id)
 
 
 def read_preference_pairs(path: str | Path, tokenizer, max_seq_len: int) -> list[dict[str, list[int]]]:

@@ -15,9 +15,7 @@ from pathlib import Path
 import numpy as np
 import ray
 import ray.data
-import torch
 from pydantic import Field
-from ray.data.collate_fn import NumpyBatchCollateFn
 
 from mlplat.data.chat import load_chat_tokenizer, resolve_chat_template, tokenize_chat
 from mlplat.data.ingest import (
@@ -28,9 +26,8 @@ from mlplat.data.ingest import (
     tokenize_rows,
 )
 from mlplat.data.packing import pack_dataset
-from mlplat.train.batch import pad_collate
 
-__all__ = ["ChatTokenizer", "DataReport", "PadCollate", "SFTDataConfig", "SourceReport", "prepare_sft_dataset"]
+__all__ = ["ChatTokenizer", "DataReport", "SFTDataConfig", "SourceReport", "prepare_sft_dataset"]
 
 
 class SFTDataConfig(DataConfig):
@@ -57,16 +54,6 @@ class ChatTokenizer:
             input_ids.append(np.asarray(ids, dtype=np.int64))
             labels.append(np.asarray(lab, dtype=np.int64))
         return {"input_ids": input_ids, "labels": labels}
-
-
-class PadCollate(NumpyBatchCollateFn):
-    """``iter_torch_batches`` collate function: right-pad the tokenized rows into tensors."""
-
-    def __init__(self, pad_token_id: int):
-        self.pad_token_id = pad_token_id
-
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        return pad_collate(batch, self.pad_token_id)
 
 
 def prepare_sft_dataset(cfg: SFTDataConfig, tokenizer_path: str, rejects_dir: str | Path) -> tuple[ray.data.Dataset, DataReport]:

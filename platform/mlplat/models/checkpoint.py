@@ -42,11 +42,21 @@ def validate_checkpoint_dir(path: str | Path) -> Path:
     return path
 
 
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
+# tokenizer_config.json classes that are the generic tokenizers-backed tokenizer (Llama 3, ours).
+GENERIC_TOKENIZER_CLASSES = {"PreTrainedTokenizerFast", "TokenizersBackend"}
 
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     path = validate_checkpoint_dir(path)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    config_file = path / "tokenizer_config.json"
+    tokenizer_class = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
+    if tokenizer_class in GENERIC_TOKENIZER_CLASSES and (path / "tokenizer.json").is_file():
+        # The class AutoTokenizer would pick, without importing AutoTokenizer: that pulls in torch and
+        # the model registry (~4 s), which every Ray Data tokenizer process would pay before its first row.
+        from transformers import PreTrainedTokenizerFast as tokenizer_type
+    else:
+        from transformers import AutoTokenizer as tokenizer_type
+    tokenizer = tokenizer_type.from_pretrained(path, local_files_only=True)
     if tokenizer.chat_template is None:
         raise CheckpointError(f"{path}: the tokenizer has no chat template (tokenizer_config.json)")
     return tokenizer

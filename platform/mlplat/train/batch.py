@@ -7,9 +7,9 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
+from ray.data.collate_fn import NumpyBatchCollateFn
 
-IGNORE_INDEX = -100
-PAD_SEQ_ID = -1  # seq_ids of padding in packed rows (mlplat.data.packing)
+from mlplat.data.labels import IGNORE_INDEX, PAD_SEQ_ID
 
 
 def pad_collate(batch: dict[str, np.ndarray], pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -25,6 +25,28 @@ def pad_collate(batch: dict[str, np.ndarray], pad_token_id: int) -> dict[str, to
         attention_mask[i, : len(r)] = 1
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": target}
 
+
+
+class PadCollate(NumpyBatchCollateFn):
+    """``iter_torch_batches`` collate function: right-pad tokenized rows (mlplat.data.sft) into tensors."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        return pad_collate(batch, self.pad_token_id)
+
+
+class PairCollate(NumpyBatchCollateFn):
+    """Preference pairs (mlplat.data.preference): chosen rows then rejected rows, right-padded into one
+    batch of 2B, so one forward scores both sides."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        both = {key: [*batch[f"chosen_{key}"], *batch[f"rejected_{key}"]] for key in ("input_ids", "labels")}
+        return pad_collate(both, self.pad_token_id)
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy over unmasked labels, and how many tokens that is.

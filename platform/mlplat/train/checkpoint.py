@@ -17,9 +17,10 @@ Train merges them into one checkpoint (file names never collide across ranks).
 
 from __future__ import annotations
 
+import io
 import warnings
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,9 @@ from mlplat.data.loader import DataPosition
 from mlplat.errors import CheckpointError
 from mlplat.train.lora import is_lora, merge_and_export
 from mlplat.train.parallel import full_state_dict, load_sharded, save_sharded, unwrap
+
+if TYPE_CHECKING:
+    from ray.train import Checkpoint
 
 CheckpointFormat = Literal["sharded", "consolidated"]
 MODEL_DIR = "model"  # the HF export, servable as-is
@@ -113,6 +117,14 @@ def load_checkpoint(
     saved = torch.load(directory / TRAIN_STATE, weights_only=True)
     scheduler.load_state_dict(saved["scheduler"])
     torch.set_rng_state(saved["rng"])
+    return TrainState.model_validate(saved["state"])
+
+
+def read_train_state(checkpoint: Checkpoint) -> TrainState:
+    """A checkpoint's train state alone (step, data position), read from wherever it is stored
+    without fetching the weights: what a worker needs before its model is built."""
+    with checkpoint.filesystem.open_input_file(f"{checkpoint.path}/{TRAIN_STATE}") as f:
+        saved = torch.load(io.BytesIO(f.read()), weights_only=True)
     return TrainState.model_validate(saved["state"])
 
 

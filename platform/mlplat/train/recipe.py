@@ -24,12 +24,12 @@ from ray.train.torch import TorchTrainer
 
 from mlplat.config import Config, to_flat_params
 from mlplat.data.ingest import DataConfig, DataReport, check_sources
-from mlplat.data.loader import deterministic_data_config
+from mlplat.data.loader import ShardLoader, deterministic_data_config
 from mlplat.errors import ConfigError
 from mlplat.runtime import init_ray
 from mlplat.tracking import ModelRef, RunLogger, register_model_dir, resolve_model, start_run
 from mlplat.tracking.runs import default_tracking_uri
-from mlplat.train.checkpoint import MODEL_DIR, TrainState, load_checkpoint, save_checkpoint
+from mlplat.train.checkpoint import MODEL_DIR, TrainState, load_checkpoint, read_train_state, save_checkpoint
 from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer
 from mlplat.train.parallel import ParallelConfig, parallelize
 
@@ -163,6 +163,14 @@ def trainable(model: torch.nn.Module, cfg: RecipeConfig, device: torch.device):
         with checkpoint.as_directory() as ckpt:
             state = load_checkpoint(Path(ckpt), model, optimizer, scheduler)
     return model, optimizer, scheduler, state
+
+
+def train_shard(cfg: RecipeConfig, collate_fn: Callable | None) -> ShardLoader:
+    """This worker's shard of the "train" dataset, streaming from now on, at the data position of this run's
+    last checkpoint after a restart. Made before the model, so the pipeline starts while the model loads."""
+    checkpoint = ray.train.get_checkpoint()
+    position = read_train_state(checkpoint).data if checkpoint else None
+    return ShardLoader(ray.train.get_dataset_shard("train"), cfg.batch_size_per_worker, collate_fn, cfg.seed, position=position)
 
 
 def worker_setup(cfg: RecipeConfig) -> torch.device:
