@@ -94,12 +94,20 @@ def test_post_training_recipes_check_their_data_before_starting_a_run(recipe, ti
     assert not (tmp_path / "mlflow.db").exists()  # no MLflow run was started for it
 
 
-def test_resume_from_a_directory_that_is_no_training_checkpoint_is_refused_first(tiny_model, demo_data, tmp_path):
+@pytest.mark.parametrize(
+    "train_state, message",
+    [(None, "is not a training checkpoint directory"), (b"not a torch file", "cannot read .*train_state.pt \\(UnpicklingError")],
+)
+def test_resume_from_a_directory_that_is_no_training_checkpoint_is_refused_first(train_state, message, tiny_model, demo_data, tmp_path):
     from mlplat.errors import CheckpointError
     from train_apps.sft import SFTConfig, run_sft
 
-    cfg = SFTConfig(model=str(tiny_model), data={"path": str(demo_data.sft)}, resume_from=str(tmp_path))
-    with pytest.raises(CheckpointError, match=f"resume_from: {tmp_path} is not a training checkpoint directory"):
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    if train_state is not None:
+        (checkpoint / "train_state.pt").write_bytes(train_state)
+    cfg = SFTConfig(model=str(tiny_model), data={"path": str(demo_data.sft)}, resume_from=str(checkpoint))
+    with pytest.raises(CheckpointError, match=f"resume_from: .*{message}"):
         run_sft(cfg, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", work_dir=tmp_path)
     assert not (tmp_path / "mlflow.db").exists()
 

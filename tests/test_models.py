@@ -78,3 +78,11 @@ def test_not_a_checkpoint_is_a_clear_error(tiny_model, tmp_path, breakage, messa
     breakage(broken)
     with pytest.raises(CheckpointError, match=message):
         load_model(broken)
+
+
+def test_a_broken_tokenizer_config_is_named(tiny_model, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model, broken)
+    (broken / "tokenizer_config.json").write_text("{oops")
+    with pytest.raises(CheckpointError, match="tokenizer_config.json: not valid JSON"):
+        load_tokenizer(broken)

@@ -150,7 +150,7 @@ def train_loop_per_worker(config: dict) -> None:
     rollout_workers, reward_fn = config["rollout_workers"], build_reward_fn(cfg.reward, config.get("reward_scorer"))
     my_rollout = rollout_workers[rank % len(rollout_workers)]
 
-    loader = train_shard(cfg, RowsCollate())
+    loader = train_shard(cfg.batch_size_per_worker, cfg.seed, RowsCollate(), ray.train.get_checkpoint())
     policy, optimizer, scheduler, state = trainable(load_model(config["model_dir"]), cfg, device)
     reference = load_model(config["model_dir"], device=device).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
     if state.step > 0:  # restarted from a checkpoint: the actors may hold other weights

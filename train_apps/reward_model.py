@@ -59,7 +59,7 @@ def train_loop_per_worker(config: dict) -> None:
     device = worker_setup(cfg)
     tokenizer = load_tokenizer(config["model_dir"])
 
-    loader = train_shard(cfg, PairCollate(tokenizer.pad_token_id))
+    loader = train_shard(cfg.batch_size_per_worker, cfg.seed, PairCollate(tokenizer.pad_token_id), ray.train.get_checkpoint())
     model, optimizer, scheduler, state = trainable(load_reward_model(config["model_dir"]), cfg, device)
     meta = CheckpointMeta(base_model=config["model_dir"], format="consolidated")
     window = MetricWindow()

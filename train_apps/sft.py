@@ -38,7 +38,7 @@ from ray.train.torch import TorchTrainer
 
 from mlplat.config import Config, to_flat_params
 from mlplat.data.ingest import check_sources
-from mlplat.data.loader import ShardLoader, deterministic_data_config
+from mlplat.data.loader import deterministic_data_config
 from mlplat.data.sft import DataReport, SFTDataConfig, prepare_sft_dataset
 from mlplat.errors import CheckpointError, ConfigError
 from mlplat.health.marking import accepted_worker_resources
@@ -54,7 +54,7 @@ from mlplat.train.lora import LoRAConfig, apply_lora
 from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer
 from mlplat.train.parallel import ParallelConfig, parallelize, unwrap
 from mlplat.train.perf import PhaseTimer, flops_per_token, measure_cpu_peak_flops, peak_flops
-from mlplat.train.recipe import git_commit, save_and_report
+from mlplat.train.recipe import git_commit, save_and_report, train_shard
 from mlplat.train.step import StepStats, train_step
 
 
@@ -138,13 +138,8 @@ def _train(cfg: SFTConfig, config: dict, rank: int, world_size: int, logger: Run
     checkpoint = ray.train.get_checkpoint() or (Checkpoint(cfg.resume_from) if cfg.resume_from else None)
 
     # The data stream starts first, at the checkpoint's data position: its start-up overlaps building the model.
-    loader = ShardLoader(
-        ray.train.get_dataset_shard("train"),
-        cfg.batch_size_per_worker,
-        collate_fn=None if cfg.data.pack else PadCollate(tokenizer.pad_token_id),  # packed rows are fixed-length
-        seed=cfg.seed,
-        position=read_train_state(checkpoint).data if checkpoint else None,
-    )
+    collate = None if cfg.data.pack else PadCollate(tokenizer.pad_token_id)  # packed rows are fixed-length
+    loader = train_shard(cfg.batch_size_per_worker, cfg.seed, collate, checkpoint)
     model = load_model(config["model_dir"])
     if cfg.lora:
         model = apply_lora(model, cfg.lora)
@@ -299,6 +294,8 @@ def run_sft(cfg: SFTConfig, tracking_uri: str | None = None, work_dir: str | Pat
             resumed_step = read_train_state(Checkpoint(cfg.resume_from)).step
         except FileNotFoundError:
             raise CheckpointError(f"resume_from: {cfg.resume_from} is not a training checkpoint directory (no {TRAIN_STATE})") from None
+        except Exception as err:  # noqa: BLE001 - a truncated or foreign file: say which and why, not a traceback
+            raise CheckpointError(f"resume_from: cannot read {cfg.resume_from}/{TRAIN_STATE} ({type(err).__name__}: {err})") from None
         if resumed_step >= cfg.max_steps:
             raise ConfigError(f"resume_from: the checkpoint is at step {resumed_step}, not before max_steps={cfg.max_steps}: raise max_steps")
     check_sources(cfg.data)  # a wrong data path fails here, before a cluster or an MLflow run is started

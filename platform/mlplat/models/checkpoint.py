@@ -18,6 +18,13 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
+def _read_json(file: Path) -> dict:
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{file}: not valid JSON ({err})") from None
+
+
 def validate_checkpoint_dir(path: str | Path) -> Path:
     """Check that ``path`` is an HF causal-LM checkpoint we can load; say what is missing if not."""
     path = Path(path)
@@ -26,10 +33,7 @@ def validate_checkpoint_dir(path: str | Path) -> Path:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{path}: not an HF checkpoint (no config.json)")
-    try:
-        model_type = json.loads(config_file.read_text()).get("model_type")
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{config_file}: not valid JSON ({err})") from None
+    model_type = _read_json(config_file).get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(
             f"{config_file}: model_type {model_type!r} is not supported; "
@@ -49,7 +53,7 @@ GENERIC_TOKENIZER_CLASSES = {"PreTrainedTokenizerFast", "TokenizersBackend"}
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     path = validate_checkpoint_dir(path)
     config_file = path / "tokenizer_config.json"
-    tokenizer_class = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
+    tokenizer_class = _read_json(config_file).get("tokenizer_class") if config_file.is_file() else None
     if tokenizer_class in GENERIC_TOKENIZER_CLASSES and (path / "tokenizer.json").is_file():
         # The class AutoTokenizer would pick, without importing AutoTokenizer: that pulls in torch and
         # the model registry (~4 s), which every Ray Data tokenizer process would pay before its first row.

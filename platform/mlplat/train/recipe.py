@@ -165,12 +165,11 @@ def trainable(model: torch.nn.Module, cfg: RecipeConfig, device: torch.device):
     return model, optimizer, scheduler, state
 
 
-def train_shard(cfg: RecipeConfig, collate_fn: Callable | None) -> ShardLoader:
-    """This worker's shard of the "train" dataset, streaming from now on, at the data position of this run's
-    last checkpoint after a restart. Made before the model, so the pipeline starts while the model loads."""
-    checkpoint = ray.train.get_checkpoint()
+def train_shard(batch_size: int, seed: int, collate_fn: Callable | None, checkpoint: Checkpoint | None) -> ShardLoader:
+    """This worker's shard of the "train" dataset, streaming from now on, at ``checkpoint``'s data position
+    (from the start without one). Made before the model, so the pipeline starts while the model loads."""
     position = read_train_state(checkpoint).data if checkpoint else None
-    return ShardLoader(ray.train.get_dataset_shard("train"), cfg.batch_size_per_worker, collate_fn, cfg.seed, position=position)
+    return ShardLoader(ray.train.get_dataset_shard("train"), batch_size, collate_fn, seed, position=position)
 
 
 def worker_setup(cfg: RecipeConfig) -> torch.device:
