@@ -57,6 +57,7 @@ from mlplat.data.chat import load_chat_tokenizer, tokenize_chat
 from mlplat.data.demo import tokenizer_corpus
 from mlplat.data.sft import SFTDataConfig, prepare_sft_dataset
 from mlplat.models import build_tiny_model
+from mlplat.runtime import init_ray
 from mlplat.train.batch import PAD_SEQ_ID
 
 OBJECT_STORE_MIN = 75 * 1024 * 1024  # ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES: ray.init refuses less
@@ -275,7 +276,7 @@ def sft_data_wait(corpus: Path, model_dir: Path, max_seq_len: int, steps: int, b
         storage_path=str(work / "ray_train"),
         registered_model=None,
     )
-    start_ray()
+    init_ray(num_training_workers=num_workers, include_dashboard=False, log_to_driver=False)  # the cluster run_sft starts for itself
     tracking_uri = f"sqlite:///{work / 'mlflow.db'}"
     try:
         start = time.perf_counter()

@@ -1,7 +1,8 @@
-"""A training worker's side of the data: the shard loader's early start and resume position, and
-tokenizer tasks that never load torch."""
+"""A training worker's side of the data: the shard loader's early start and resume position,
+tokenizer tasks that never load torch, and data tasks that start in warm processes."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -89,3 +90,40 @@ def test_the_light_tokenizer_load_is_what_autotokenizer_gives(tiny_model, demo_d
     assert [(ids.tolist(), labels.tolist()) for ids, labels in zip(tokenized["input_ids"], tokenized["labels"])] == [
         (ids, labels) for ids, labels in expected
     ]
+
+
+def test_a_train_jobs_data_tasks_run_in_the_processes_warmed_for_it(ray_cluster, tmp_path, monkeypatch):
+    # Ray Train's own runtime env keeps a job's data tasks off the driver's warm processes;
+    # warm_data_workers must start processes that the job's tasks do get. A Ray Train variable
+    # at a value of its own (the default plus one) gives this job a runtime env, and so a pool,
+    # that no earlier job in the session left warm processes in: without the warm-up, every
+    # data task here would start a fresh process.
+    import ray
+    import ray.train
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from mlplat.train.data_workers import warm_data_workers
+
+    def pid_column(batch):  # defined here: pickled by value, as Ray workers cannot import test modules
+        import numpy as np
+
+        return {"pid": np.full(len(batch["id"]), os.getpid())}
+
+    def record_shard_pids(config):
+        pids = {int(p) for batch in ray.train.get_dataset_shard("train").iter_batches(batch_size=8) for p in batch["pid"]}
+        (config["out"] / "pids.json").write_text(json.dumps(sorted(pids)))
+
+    monkeypatch.setenv("RAY_TRAIN_COLLECTIVE_WARN_INTERVAL_S", "61")
+    warmed = set(ray.get(warm_data_workers(num_training_workers=1)))
+    assert warmed, "no data workers were warmed: trainer_runtime_env() knows no env for this Ray"
+    rows = ray.data.range(64, override_num_blocks=4).map_batches(pid_column)
+    TorchTrainer(
+        record_shard_pids,
+        train_loop_config={"out": tmp_path},
+        scaling_config=ScalingConfig(num_workers=1),
+        datasets={"train": rows},
+        run_config=RunConfig(storage_path=str(tmp_path / "ray_train")),
+    ).fit()
+    ran_in = set(json.loads((tmp_path / "pids.json").read_text()))
+    assert ran_in & warmed, f"the job's data tasks ran in {sorted(ran_in)}, none of them the warmed {sorted(warmed)}"

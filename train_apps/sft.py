@@ -50,6 +50,7 @@ from mlplat.runtime import init_ray
 from mlplat.tracking import ModelRef, RunLogger, register_model_dir, resolve_model, start_run
 from mlplat.train.batch import PadCollate
 from mlplat.train.checkpoint import MODEL_DIR, TRAIN_STATE, CheckpointFormat, CheckpointMeta, TrainState, load_checkpoint, read_train_state
+from mlplat.train.data_workers import warm_data_workers
 from mlplat.train.lora import LoRAConfig, apply_lora
 from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer
 from mlplat.train.parallel import ParallelConfig, parallelize, unwrap
@@ -349,6 +350,7 @@ def run_sft(cfg: SFTConfig, tracking_uri: str | None = None, work_dir: str | Pat
                 ),
             ),
         )
+        warm_data_workers(cfg.num_workers)  # the pipeline's first task processes start beside the trainer's
         result = trainer.fit()
         losses = logger.client.get_metric_history(run_id, "loss")
         final_dir = Path(work_dir) / run_id / "final"

@@ -30,6 +30,7 @@ from mlplat.runtime import init_ray
 from mlplat.tracking import ModelRef, RunLogger, register_model_dir, resolve_model, start_run
 from mlplat.tracking.runs import default_tracking_uri
 from mlplat.train.checkpoint import MODEL_DIR, TrainState, load_checkpoint, read_train_state, save_checkpoint
+from mlplat.train.data_workers import warm_data_workers
 from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer
 from mlplat.train.parallel import ParallelConfig, parallelize
 
@@ -123,6 +124,7 @@ class RecipeRun:
                 checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep),
             ),
         )
+        warm_data_workers(cfg.num_workers)  # the pipeline's first task processes start beside the trainer's
         return trainer.fit()
 
     def finish(self, result: ray.train.Result) -> tuple[Path, ModelRef | None]:
