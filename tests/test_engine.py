@@ -287,22 +287,30 @@ def test_cpu_packed_weights_match_the_plain_weights(llama):
     from mlplat.engine.quant import weight_bytes
 
     packed, plain = engine_for(llama), engine_for(llama, cpu_packed_weights=False)
-    linears = [m for m in packed.runner.model.modules() if isinstance(m, Linear) and m.packed_weight is not None]
+    linears = {n: m for n, m in packed.runner.model.named_modules() if isinstance(m, Linear) and m.packed_weight is not None}
     assert len(linears) == 2 * 4  # qkv, o, gate_up, down in each of 2 layers; the tied head stays unpacked
+    assert all(m.gemv_weight is not None and m.weight.device.type == "meta" for m in linears.values())  # no plain copy kept
     assert all(m.packed_weight is None for m in plain.runner.model.modules() if isinstance(m, Linear))
     assert weight_bytes(packed.runner.model, include_packed=False) == weight_bytes(plain.runner.model)
-    assert weight_bytes(packed.runner.model) > weight_bytes(plain.runner.model)
-    # Teacher-forced scoring runs every row at once (the packed path): same log-probs, same greedy batch.
+    # Two oneDNN layouts in place of the plain weight: about twice the projections' memory, not three times.
+    assert weight_bytes(plain.runner.model) < weight_bytes(packed.runner.model) < 2.2 * weight_bytes(plain.runner.model)
+    # Teacher-forced scoring runs every row at once (the batch copy): same log-probs, same greedy batch;
+    # one request alone decodes one row per step (the one-row copy): same tokens.
     tokens = prompts(1, seed=17)[0]
     torch.testing.assert_close(torch.tensor(packed.score(tokens)), torch.tensor(plain.score(tokens)), atol=1e-4, rtol=1e-4)
-    batch = prompts(6, seed=18)
-    assert [o.outputs[0].token_ids for o in run_checked(packed, prompt_ids=batch)] == [
-        o.outputs[0].token_ids for o in run_checked(plain, prompt_ids=batch)
-    ]
-    # Batched rows really read the packed copy: zeroing a plain weight without re-packing changes nothing there.
+    for batch in (prompts(6, seed=18), prompts(1, seed=19)):
+        assert [o.outputs[0].token_ids for o in run_checked(packed, prompt_ids=batch)] == [
+            o.outputs[0].token_ids for o in run_checked(plain, prompt_ids=batch)
+        ]
+    # Each row count reads its own copy: a zeroed one-row copy zeroes one row's output, not a batch's.
+    name, linear = next(iter(linears.items()))
+    reference = dict(plain.runner.model.named_modules())[name]
+    rows = torch.randn(4, linear.in_features)
     with torch.no_grad():
-        linears[0].weight.zero_()
-    torch.testing.assert_close(torch.tensor(packed.score(tokens)), torch.tensor(plain.score(tokens)), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(linear(rows[:1]), reference(rows[:1]), atol=1e-4, rtol=1e-4)
+        linear.gemv_weight = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(linear.weight.shape), 1)
+        assert linear(rows[:1]).abs().max() == 0
+        torch.testing.assert_close(linear(rows), reference(rows), atol=1e-4, rtol=1e-4)
 
 
 def test_int8_weight_only(llama, tmp_path, tiny_model):

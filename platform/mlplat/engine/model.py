@@ -126,24 +126,35 @@ class Rotary(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear that, on CPU, can also hold its weight reordered into oneDNN's blocked layout.
+    """nn.Linear that, on CPU, can run on two copies of its weight reordered for oneDNN instead.
 
-    With ``packed_weight`` set (see ``pack_linear_weights_``), a batch of at least ``packed_min_rows``
-    rows (batched decodes, prefill chunks) runs oneDNN's matmul on the packed copy: MKL's GEMM
-    re-packs the weight on every call, which at 8-32 rows costs about as much as the arithmetic
-    (oneDNN measured 1.3-2x faster at 8-32 rows on a 2-core AVX2 CPU). A single row is a GEMV, faster through MKL
-    on the plain (input-major) weight, so that weight stays too."""
-
-    packed_min_rows = 2
+    After ``pack_weight_`` (see ``pack_linear_weights_``) it holds one layout blocked for batches
+    (batched decodes, prefill chunks: MKL's GEMM re-packs a plain weight on every call, which at
+    8-32 rows costs about as much as the arithmetic; oneDNN measured 1.3-2x faster) and one for a
+    single row (a decode alone: oneDNN's GEMV on it streams the weights at ~20 GB/s where MKL's
+    GEMV on the plain weight gets ~15, 2-core AVX2 CPU). The plain weight is dropped: its parameter
+    stays on the meta device, for its name and shape, so packing costs no memory over one copy
+    per layout."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.packed_weight: torch.Tensor | None = None
+        self.packed_weight: torch.Tensor | None = None  # blocked for batches of rows
+        self.gemv_weight: torch.Tensor | None = None  # blocked for one row
+
+    @torch.no_grad()
+    def pack_weight_(self, weight: torch.Tensor) -> None:
+        """Run on oneDNN copies of ``weight`` [out, in] from now on (also how a packed Linear loads new weights)."""
+        weight = weight.to(self.weight.dtype)
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+        self.gemv_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        if self.weight.device.type != "meta":
+            self.weight = nn.Parameter(self.weight.to("meta"), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None and x.shape[0] >= self.packed_min_rows:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if self.packed_weight is None:
+            return F.linear(x, self.weight, self.bias)
+        weight = self.gemv_weight if x.shape[0] == 1 else self.packed_weight
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, self.bias, "none", [], "")
 
 
 class RMSNorm(nn.Module):
@@ -287,14 +298,13 @@ def store_linear_weights_input_major_(model: nn.Module) -> None:
 
 
 def pack_linear_weights_(model: nn.Module) -> None:
-    """(Re)build every ``Linear``'s oneDNN copy from its current weight; call after each weight load.
+    """Move every ``Linear`` onto oneDNN copies of its current weight, dropping the plain one (see Linear).
 
-    A head tied to the embedding stays unpacked: it shares the embedding's row-major storage."""
+    A head tied to the embedding stays as it is: it shares the embedding's row-major storage."""
     tied = getattr(model, "embed_tokens", None)
     for module in model.modules():
-        if isinstance(module, Linear) and (tied is None or module.weight is not tied.weight):
-            # Blocked for a 32-row batch; other row counts run on it too.
-            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 32)
+        if isinstance(module, Linear) and module.packed_weight is None and (tied is None or module.weight is not tied.weight):
+            module.pack_weight_(module.weight.detach())
 
 
 def hf_state_dict_to_engine(items, config: PretrainedConfig):

@@ -64,12 +64,19 @@ def quantize_int8_(model: nn.Module) -> nn.Module:
 def weight_bytes(model: nn.Module, include_packed: bool = True) -> int:
     """Bytes of parameters and buffers that hold weights (the KV cache is not part of the model).
 
-    CPU fp32 linears may hold a second, oneDNN-packed copy of their weight (model.Linear): counted
-    unless ``include_packed`` is False (the checkpoint's weights as loaded)."""
+    ``include_packed``: what the model holds in memory, with the oneDNN copies that packed CPU fp32
+    linears run on instead of their plain weight (model.Linear; that parameter is then a meta
+    placeholder). False: the checkpoint's weights, every parameter at its shape and dtype."""
     seen, total = set(), 0
     for t in [*model.parameters(), *(b for n, b in model.named_buffers() if n.endswith(("qweight", "scale")))]:
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    packed = [m.packed_weight for m in model.modules() if include_packed and getattr(m, "packed_weight", None) is not None]
-    return total + sum(t.numel() * t.element_size() for t in packed)
+        placeholder = t.device.type == "meta"
+        key = id(t) if placeholder else t.data_ptr()  # ties share storage: count it once
+        if key in seen or (placeholder and include_packed):
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    if include_packed:
+        for m in model.modules():
+            for packed in (getattr(m, "packed_weight", None), getattr(m, "gemv_weight", None)):
+                total += packed.numel() * packed.element_size() if packed is not None else 0
+    return total

@@ -14,6 +14,7 @@ from mlplat.engine.config import EngineConfig
 from mlplat.engine.model import (
     AttentionMetadata,
     CausalLM,
+    Linear,
     hf_state_dict_to_engine,
     pack_linear_weights_,
     store_linear_weights_input_major_,
@@ -47,12 +48,14 @@ class ModelRunner:
         self.max_model_len = cfg.max_model_len or self.hf_config.max_position_embeddings
         with torch.device(self.device):
             self.model = CausalLM(self.hf_config, self.max_model_len).to(self.dtype)
-        if self.device.type == "cpu":
-            store_linear_weights_input_major_(self.model)
-        # fp32 on CPU: batched matmuls run on oneDNN-packed copies of the weights (see model.Linear).
+        # fp32 on CPU: matmuls run on oneDNN-packed copies of the weights (see model.Linear).
         cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
         self.pack_weights = cfg.cpu_packed_weights and cpu_fp32 and cfg.quantization is None and torch.backends.mkldnn.is_available()
+        if self.device.type == "cpu" and not self.pack_weights:
+            store_linear_weights_input_major_(self.model)
         self.update_weights(read_safetensors(model_dir))
+        if self.pack_weights:
+            pack_linear_weights_(self.model)
         if cfg.quantization == "int8":
             quantize_int8_(self.model)
         self.model.eval()
@@ -91,14 +94,15 @@ class ModelRunner:
             elif name in params:
                 if params[name].shape != tensor.shape:
                     raise CheckpointError(f"weight {name!r}: shape {tuple(tensor.shape)} != {tuple(params[name].shape)}")
-                params[name].copy_(tensor)
+                if isinstance(module, Linear) and module.packed_weight is not None and attr == "weight":
+                    module.pack_weight_(tensor.to(self.device))  # packed: there is no plain weight to copy into
+                else:
+                    params[name].copy_(tensor)
                 if name == "embed_tokens.weight" and isinstance(self.model.lm_head, Int8Linear):
                     self.model.lm_head.load_weight(tensor)  # tied: the quantized head is a copy
             else:
                 raise CheckpointError(f"unexpected weight {name!r} for model_type {self.hf_config.model_type!r}")
             loaded += 1
-        if self.pack_weights:
-            pack_linear_weights_(self.model)
         return loaded
 
     def prepare(self, batch: list[tuple[Sequence, int]], num_logits: list[int] | None = None):
