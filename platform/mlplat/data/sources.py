@@ -42,7 +42,7 @@ JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.bz2")  # Ray Data
 PARQUET_SUFFIXES = (".parquet",)
 SUPPORTED = "supported: .jsonl (also .jsonl.gz/.zst/.bz2) and .parquet files, a directory of them, or a glob"
 GLOB_CHARS = "*?["
-STREAM_BLOCK_BYTES = 1 << 20  # block size of every dataset read here (see _cap_block_size)
+BLOCK_FLOOR_BYTES = 1 << 20  # smallest block cap: below this, per-block overhead dominates
 
 
 class SourceConfig(Config):
@@ -222,15 +222,13 @@ def read_source(source: SourceConfig, index: int, listing: Listing | None = None
 
 
 def _cap_block_size(ctx: ray.data.DataContext) -> None:
-    """Cap the blocks of this dataset (and everything derived from it) at ``STREAM_BLOCK_BYTES``.
+    """Cap the blocks of this dataset (and everything derived from it) at 1/64 of the cluster's object store.
 
-    Ray Data merges what a task yields into blocks of up to ``target_max_block_size`` (128 MiB
-    by default) and hands a block on only when it is full or the task ends. Here that made one
-    block per JSONL file, which can be larger than the whole store of a small cluster (it
-    spilled however the streaming executor throttled), and a tokenizer task's output reached
-    the trainer only when the task was done. Small blocks keep the executor's backpressure,
-    which budgets half the store, in control and start training on the first rows tokenized
-    (quick SFT run, warm workers: first-batch wait ~7.5 s with store/64 blocks, 3-5 s with 1 MiB).
-    Tokenizing 1 MiB of chat rows takes about a second, so per-block overhead stays small.
+    Ray Data merges what a read task yields into blocks of up to ``target_max_block_size``
+    (128 MiB by default): one block per JSONL file here, which can be larger than the whole
+    store of a small cluster, so it spills however the streaming executor throttles. Small
+    blocks keep its backpressure, which budgets half the store, in control.
     """
-    ctx.target_max_block_size = min(ctx.target_max_block_size or STREAM_BLOCK_BYTES, STREAM_BLOCK_BYTES)
+    store = int(ray.cluster_resources().get("object_store_memory", 0))
+    cap = max(BLOCK_FLOOR_BYTES, store // 64)
+    ctx.target_max_block_size = min(ctx.target_max_block_size or cap, cap)
