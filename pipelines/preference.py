@@ -43,7 +43,7 @@ class PreferenceConfig(Config):
     data: DemoDataConfig = DemoDataConfig()
     model: TinyModelConfig = TinyModelConfig()
     policy: str | None = None  # an SFT model (directory or models:/...) to start from; None: train one here
-    sft_steps: int = Field(600, gt=0)
+    sft_steps: int = Field(1000, gt=0)  # as the quickstart's SFT (see its max_steps)
     sft_optim: OptimizerConfig = OptimizerConfig()
     sft_registered_model: str = "demo-sft"
     reward_model: PreferenceStageConfig = PreferenceStageConfig(

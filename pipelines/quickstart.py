@@ -39,8 +39,9 @@ class QuickstartConfig(Config):
     data: DemoDataConfig = DemoDataConfig()
     model: TinyModelConfig = TinyModelConfig()
     optim: OptimizerConfig = OptimizerConfig()
-    # Calibrated on 2 CPU cores: ~60% exact match, leaving room for post-training.
-    max_steps: int = 600
+    # 600 steps sat on the edge of the task's sudden drop in loss: held-out exact match 7-70% by data order
+    # (shuffle seed); 1000 get past it in every order tried (~6 minutes of SFT on 2 CPU cores).
+    max_steps: int = 1000
     num_workers: int = 2
     batch_size_per_worker: int = 32
     eval_limit: int = 500

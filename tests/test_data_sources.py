@@ -10,7 +10,7 @@ import pytest
 from mlplat.config import validate
 from mlplat.data.ingest import DataConfig, prepare_rows
 from mlplat.data.sft import SFTDataConfig
-from mlplat.data.sources import SourceConfig, list_files
+from mlplat.data.sources import STREAM_BLOCK_BYTES, SourceConfig, list_files, read_source
 from mlplat.errors import ConfigError, DataError
 
 
@@ -206,3 +206,16 @@ def test_unweighted_sources_use_every_row(ray_cluster, tmp_path):
     cfg = DataConfig(sources=[SourceConfig(path=str(tmp_path / "a.jsonl")), SourceConfig(path=str(tmp_path / "b.parquet"))])
     rows, report = read_all(cfg, tmp_path)
     assert len(rows) == report.rows_used == 400 and [s.share for s in report.sources] == [0.75, 0.25]
+
+
+def test_reads_hand_on_small_blocks_without_touching_the_global_context(ray_cluster, tmp_path):
+    # Ray Data hands a task's output on only when a block is full (128 MiB by default) or the task
+    # ends: on a large file a tokenizer task would hold back every row it tokenized until its end.
+    import ray.data
+
+    write_jsonl(tmp_path / "a.jsonl", [chat("a", i) for i in range(10)])
+    default = ray.data.DataContext.get_current().target_max_block_size
+    dataset = read_source(SourceConfig(path=str(tmp_path / "a.jsonl")), 0)
+    assert dataset.context.target_max_block_size == STREAM_BLOCK_BYTES < default
+    assert ray.data.DataContext.get_current().target_max_block_size == default  # the caller's own datasets keep theirs
+    assert dataset.count() == 10

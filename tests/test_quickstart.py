@@ -1,6 +1,6 @@
 """The quickstart end to end: the same pipeline `make quickstart` runs, on the one-digit task.
 
-The default config (3-digit sums, 600 SFT steps) would take ~8 of the suite's minutes; its
+The default config (3-digit sums, 1000 SFT steps) would take ~10 of the suite's minutes; its
 accuracy is what `make quickstart` prints, checked from a fresh clone before the README quotes
 it. Here the same steps run on one-digit sums, which the same model learns in a quarter of the
 steps, so every assertion keeps its margin.
@@ -38,7 +38,7 @@ def test_quickstart_raises_held_out_accuracy(ray_cluster, tracking_uri, tmp_path
 
 
 def test_default_config_is_the_documented_one():
-    # What `make quickstart` runs and the README's numbers describe: 3-digit sums, 600 steps, then GRPO.
+    # What `make quickstart` runs and the README's numbers describe: 3-digit sums, 1000 steps, then GRPO.
     cfg = QuickstartConfig()
-    assert (cfg.data.max_digits, cfg.max_steps, cfg.num_workers, cfg.batch_size_per_worker) == (3, 600, 2, 32)
+    assert (cfg.data.max_digits, cfg.max_steps, cfg.num_workers, cfg.batch_size_per_worker) == (3, 1000, 2, 32)
     assert cfg.grpo_steps > 0 and cfg.serve

@@ -42,7 +42,8 @@ JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.bz2")  # Ray Data
 PARQUET_SUFFIXES = (".parquet",)
 SUPPORTED = "supported: .jsonl (also .jsonl.gz/.zst/.bz2) and .parquet files, a directory of them, or a glob"
 GLOB_CHARS = "*?["
-BLOCK_FLOOR_BYTES = 1 << 20  # smallest block cap: below this, per-block overhead dominates
+STREAM_BLOCK_BYTES = 4 << 20  # block size of every dataset read here (see _cap_block_size)
+MIN_BLOCK_BYTES = 1 << 20  # ... on a cluster whose object store is under 64x STREAM_BLOCK_BYTES
 
 
 class SourceConfig(Config):
@@ -222,13 +223,21 @@ def read_source(source: SourceConfig, index: int, listing: Listing | None = None
 
 
 def _cap_block_size(ctx: ray.data.DataContext) -> None:
-    """Cap the blocks of this dataset (and everything derived from it) at 1/64 of the cluster's object store.
+    """Cap the blocks of this dataset (and everything derived from it) at ``STREAM_BLOCK_BYTES``,
+    or at 1/64 of the cluster's object store where that is smaller (not below ``MIN_BLOCK_BYTES``).
 
-    Ray Data merges what a read task yields into blocks of up to ``target_max_block_size``
-    (128 MiB by default): one block per JSONL file here, which can be larger than the whole
-    store of a small cluster, so it spills however the streaming executor throttles. Small
-    blocks keep its backpressure, which budgets half the store, in control.
+    Ray Data merges what a task yields into blocks of up to ``target_max_block_size`` (128 MiB
+    by default) and hands a block on only when it is full or the task ends. Here that made one
+    block per JSONL file, which can be larger than the whole store of a small cluster (it
+    spilled however the streaming executor throttled), and every row of a file was read and
+    validated before the first one reached a tokenizer. Small blocks keep the executor's
+    backpressure, which budgets half the store, in control and start training on the first
+    rows (data benchmark, 200k rows, warm workers: first-batch wait 9.2 s with store/64 blocks,
+    5.2 s with 1 MiB). Each block costs the executor some fixed work, so not smaller than
+    needed: the same benchmark's whole pipeline (packed, on 2 cores) took 78 s with store/64
+    blocks, 86 s with 4 MiB, 94 s with 2 MiB and 99 s with 1 MiB. On a small store the blocks
+    shrink with it: with a 75 MiB store, 4 MiB blocks spilled ~500 MiB, ~1 MiB ones nothing.
     """
     store = int(ray.cluster_resources().get("object_store_memory", 0))
-    cap = max(BLOCK_FLOOR_BYTES, store // 64)
+    cap = max(MIN_BLOCK_BYTES, min(STREAM_BLOCK_BYTES, store // 64))
     ctx.target_max_block_size = min(ctx.target_max_block_size or cap, cap)
