@@ -40,7 +40,7 @@ class QuickstartConfig(Config):
     model: TinyModelConfig = TinyModelConfig()
     optim: OptimizerConfig = OptimizerConfig()
     # 600 steps sat on the edge of the task's sudden drop in loss: held-out exact match 7-70% by data order
-    # (shuffle seed); 1000 get past it in every order tried (~6 minutes of SFT on 2 CPU cores).
+    # (shuffle seed); 1000 get past it in every order tried (6-9 minutes of SFT on 2 CPU cores).
     max_steps: int = 1000
     num_workers: int = 2
     batch_size_per_worker: int = 32

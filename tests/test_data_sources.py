@@ -10,7 +10,7 @@ import pytest
 from mlplat.config import validate
 from mlplat.data.ingest import DataConfig, prepare_rows
 from mlplat.data.sft import SFTDataConfig
-from mlplat.data.sources import STREAM_BLOCK_BYTES, SourceConfig, list_files, read_source
+from mlplat.data.sources import MIN_BLOCK_BYTES, STREAM_BLOCK_BYTES, SourceConfig, block_cap, list_files, read_source
 from mlplat.errors import ConfigError, DataError
 
 
@@ -219,3 +219,10 @@ def test_reads_hand_on_small_blocks_without_touching_the_global_context(ray_clus
     assert dataset.context.target_max_block_size == STREAM_BLOCK_BYTES < default
     assert ray.data.DataContext.get_current().target_max_block_size == default  # the caller's own datasets keep theirs
     assert dataset.count() == 10
+
+
+def test_blocks_shrink_with_a_small_object_store():
+    # With a 75 MiB store, 4 MiB blocks spilled ~500 MiB in the data benchmark; 1/64 of it did not.
+    assert block_cap(7 << 30) == STREAM_BLOCK_BYTES
+    assert block_cap(75 << 20) == (75 << 20) // 64 < STREAM_BLOCK_BYTES
+    assert block_cap(16 << 20) == MIN_BLOCK_BYTES  # per-block overhead dominates below this

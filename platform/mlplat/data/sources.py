@@ -222,9 +222,14 @@ def read_source(source: SourceConfig, index: int, listing: Listing | None = None
     return parts[0] if len(parts) == 1 else parts[0].union(*parts[1:])
 
 
+def block_cap(object_store_bytes: int) -> int:
+    """Block size for a cluster with this object store: ``STREAM_BLOCK_BYTES``, or 1/64 of the
+    store where that is smaller, never below ``MIN_BLOCK_BYTES`` (see ``_cap_block_size``)."""
+    return max(MIN_BLOCK_BYTES, min(STREAM_BLOCK_BYTES, object_store_bytes // 64))
+
+
 def _cap_block_size(ctx: ray.data.DataContext) -> None:
-    """Cap the blocks of this dataset (and everything derived from it) at ``STREAM_BLOCK_BYTES``,
-    or at 1/64 of the cluster's object store where that is smaller (not below ``MIN_BLOCK_BYTES``).
+    """Cap the blocks of this dataset (and everything derived from it) at ``block_cap`` of the cluster's store.
 
     Ray Data merges what a task yields into blocks of up to ``target_max_block_size`` (128 MiB
     by default) and hands a block on only when it is full or the task ends. Here that made one
@@ -233,11 +238,10 @@ def _cap_block_size(ctx: ray.data.DataContext) -> None:
     validated before the first one reached a tokenizer. Small blocks keep the executor's
     backpressure, which budgets half the store, in control and start training on the first
     rows (data benchmark, 200k rows, warm workers: first-batch wait 9.2 s with store/64 blocks,
-    5.2 s with 1 MiB). Each block costs the executor some fixed work, so not smaller than
+    6.1 s with 4 MiB, 5.2 s with 1 MiB). Each block costs the executor some fixed work, so not smaller than
     needed: the same benchmark's whole pipeline (packed, on 2 cores) took 78 s with store/64
     blocks, 86 s with 4 MiB, 94 s with 2 MiB and 99 s with 1 MiB. On a small store the blocks
     shrink with it: with a 75 MiB store, 4 MiB blocks spilled ~500 MiB, ~1 MiB ones nothing.
     """
-    store = int(ray.cluster_resources().get("object_store_memory", 0))
-    cap = max(MIN_BLOCK_BYTES, min(STREAM_BLOCK_BYTES, store // 64))
+    cap = block_cap(int(ray.cluster_resources().get("object_store_memory", 0)))
     ctx.target_max_block_size = min(ctx.target_max_block_size or cap, cap)
