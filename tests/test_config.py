@@ -54,17 +54,28 @@ def test_bad_override_syntax():
         load_config(SFTConfig, None, ["max_steps"])
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["train", "sft", "--config", "/nonexistent.yaml"], "/nonexistent.yaml: config file not found"),
-        (["train", "sft", "--set", "model=/m", "--set", "data.path=/d", "--set", "max_stepz=3"], "max_stepz: unknown field"),
-        (["eval", "--model", "/nonexistent", "--data", "x.jsonl"], "/nonexistent: model directory not found"),
-        (["model", "resolve", "models:/bad uri"], "expected models:/NAME/VERSION"),
-    ],
-)
-def test_cli_errors_are_one_line(args, message):
-    out = subprocess.run([MLPLAT, *args], capture_output=True, text=True, timeout=120)
+CLI_ERRORS = [
+    (["train", "sft", "--config", "/nonexistent.yaml"], "/nonexistent.yaml: config file not found"),
+    (["train", "sft", "--set", "model=/m", "--set", "data.path=/d", "--set", "max_stepz=3"], "max_stepz: unknown field"),
+    (["eval", "--model", "/nonexistent", "--data", "x.jsonl"], "/nonexistent: model directory not found"),
+    (["model", "resolve", "models:/bad uri"], "expected models:/NAME/VERSION"),
+]
+
+
+@pytest.fixture(scope="module")
+def cli_error_runs() -> dict[tuple, subprocess.CompletedProcess]:
+    """Every case's CLI process, started at once: each is one thread that mostly imports, so two cores run them side by side."""
+    procs = {tuple(args): subprocess.Popen([MLPLAT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args, _ in CLI_ERRORS}
+    runs = {}
+    for args, p in procs.items():
+        out, err = p.communicate(timeout=120)
+        runs[args] = subprocess.CompletedProcess(args, p.returncode, out, err)
+    return runs
+
+
+@pytest.mark.parametrize("args, message", CLI_ERRORS)
+def test_cli_errors_are_one_line(cli_error_runs, args, message):
+    out = cli_error_runs[tuple(args)]
     assert out.returncode == 2
     assert "Traceback" not in out.stderr
     lines = [line for line in out.stderr.splitlines() if line.startswith("mlplat: error:")]

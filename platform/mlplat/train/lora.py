@@ -19,13 +19,13 @@ from pydantic import Field, field_validator
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from mlplat.config import Config
 from mlplat.errors import CheckpointError, ConfigError
 
-if TYPE_CHECKING:  # peft takes ~4 s to import: only runs with a LoRA config pay for it
+if TYPE_CHECKING:  # peft takes ~4 s to import, transformers ~3 s: a config check or a CLI error pays for neither
     import peft
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 ADAPTER = "default"  # peft's adapter name; we only ever train one
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's file name
@@ -97,6 +97,8 @@ def _check_target_modules(model: nn.Module, targets: list[str]) -> None:
     peft ignores a misspelled name as long as another name matches something, so a
     typo would quietly train fewer layers than asked for; check every name up front.
     """
+    from transformers import PreTrainedModel
+
     modules = dict(model.named_modules())
     is_hf = isinstance(model, PreTrainedModel)
     output = model.get_output_embeddings() if is_hf else None

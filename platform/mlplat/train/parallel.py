@@ -18,7 +18,7 @@ import contextlib
 import pickle
 import warnings
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
@@ -28,9 +28,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
-from transformers import PreTrainedModel
 
 from mlplat.config import Config
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _EXTRA_KEY = "extra"  # in a DCP checkpoint: the caller's extra state, pickled as one blob
