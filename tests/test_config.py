@@ -67,9 +67,13 @@ def cli_error_runs() -> dict[tuple, subprocess.CompletedProcess]:
     """Every case's CLI process, started at once: each is one thread that mostly imports, so two cores run them side by side."""
     procs = {tuple(args): subprocess.Popen([MLPLAT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args, _ in CLI_ERRORS}
     runs = {}
-    for args, p in procs.items():
-        out, err = p.communicate(timeout=120)
-        runs[args] = subprocess.CompletedProcess(args, p.returncode, out, err)
+    try:
+        for args, p in procs.items():
+            out, err = p.communicate(timeout=120)
+            runs[args] = subprocess.CompletedProcess(args, p.returncode, out, err)
+    finally:  # one that hangs fails the module; none is left running behind it
+        for p in procs.values():
+            p.kill()
     return runs
 
 
