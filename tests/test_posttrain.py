@@ -53,13 +53,13 @@ def sft_model(tmp_path_factory, tiny_model, one_digit):
 
 
 @pytest.fixture(scope="module")
-def preference_run(ray_cluster, tmp_path_factory, sft_model):
+def preference_run(ray_cluster, tmp_path_factory, sft_model, new_mlflow_store):
     """pipelines/preference.py from the SFT model: the reward model and DPO, side by side, as pipeline steps."""
     from pipelines.preference import PreferenceConfig, preference
 
     work = tmp_path_factory.mktemp("preference")
     cfg = PreferenceConfig(workdir=str(work / "steps"), data=ONE_DIGIT, policy=str(sft_model), eval_limit=30)
-    return preference.run({"cfg": cfg}, workdir=cfg.workdir, tracking_uri=f"sqlite:///{work / 'mlflow.db'}")
+    return preference.run({"cfg": cfg}, workdir=cfg.workdir, tracking_uri=new_mlflow_store(work / "mlflow.db"))
 
 
 def test_reward_model_ranks_held_out_pairs_and_scores_as_an_actor(preference_run, one_digit):
