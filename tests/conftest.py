@@ -56,8 +56,10 @@ def tiny_model(tmp_path_factory, demo_data) -> Path:
 def new_mlflow_store(tmp_path_factory):
     """``new_mlflow_store(path)``: the URI of a new, empty sqlite MLflow store at ``path``.
 
-    MLflow builds a new store by running its ~70 schema migrations (~1.3 s here, for every store the
-    suite makes); each store is instead a copy of one empty store that MLflow built at the start."""
+    MLflow builds a new store by running its 68 schema migrations (~1.3 s here, for every store the
+    suite makes); each store is instead a copy of one empty store that MLflow built at the start.
+    Its Default experiment keeps the template's artifact location (the pytest process's ./mlruns/0);
+    the recipes log to named experiments, whose locations each process sets when it creates them."""
     from mlflow import MlflowClient
 
     template = tmp_path_factory.mktemp("mlflow_template") / "mlflow.db"
