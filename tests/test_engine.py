@@ -86,25 +86,40 @@ def engine_for(path, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(path), **{"block_size": 4, "num_kv_blocks": 128, **kw}))
 
 
-def test_greedy_equals_transformers_generate(checkpoint):
+@pytest.mark.parametrize("decode_kernel", [True, False], ids=["kernel", "gather-sdpa"])
+def test_greedy_equals_transformers_generate(checkpoint, decode_kernel):
     batch = prompts()
-    outs = run_checked(engine_for(checkpoint), prompt_ids=batch)
+    engine = engine_for(checkpoint, cpu_attention_kernel=decode_kernel)
+    assert engine.runner.decode_kernel == decode_kernel
+    outs = run_checked(engine, prompt_ids=batch)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(checkpoint, batch, GREEDY.max_tokens)
 
 
+def dense_attention(q, k, v, scale):
+    """Causal attention of the last len(q) positions over [ctx, KV, D] keys and values, GQA by repetition."""
+    n, heads, ctx = q.shape[0], q.shape[1], k.shape[0]
+    k = k.repeat_interleave(heads // k.shape[1], dim=1).transpose(0, 1)  # [H, ctx, D]
+    v = v.repeat_interleave(heads // v.shape[1], dim=1).transpose(0, 1)
+    scores = q.transpose(0, 1) @ k.transpose(1, 2) * scale  # [H, n, ctx]
+    causal = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
+    return (scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v).transpose(0, 1)
+
+
+@pytest.mark.parametrize("decode_kernel", [False, True], ids=["gather-sdpa", "kernel"])
 @pytest.mark.parametrize("query_lens, context_lens, group_cost", [
     ([1, 1, 1], [5, 17, 9], None),  # decodes in one padded group
     ([1, 1, 1, 4], [17, 9, 5, 12], 0),  # decodes split into groups by length, then a chunk
     ([7, 3, 1], [7, 11, 20], None),
 ])
-def test_paged_attention_equals_dense(query_lens, context_lens, group_cost, monkeypatch):
-    from mlplat.engine import model
+def test_paged_attention_equals_dense(query_lens, context_lens, group_cost, decode_kernel, monkeypatch):
+    from mlplat.engine import cpu_kernels, model
 
+    assert not decode_kernel or cpu_kernels.load_paged_attention(), "the C++ decode kernel did not build (see the warning)"
     if group_cost is not None:
         monkeypatch.setattr(model, "GROUP_COST_TOKENS", group_cost)
         assert len(model.decode_groups(context_lens[:3], 4)) == 3
     torch.manual_seed(0)
-    block_size, kv_heads, heads, dim, num_blocks = 4, 2, 4, 8, 32
+    block_size, kv_heads, heads, dim, num_blocks = 4, 2, 4, 16, 32
     k_cache, v_cache = torch.randn(2, num_blocks, block_size, kv_heads, dim).unbind(0)
     order = torch.randperm(num_blocks).tolist()  # blocks scattered over the cache
     tables, dense_k, dense_v = [], [], []
@@ -114,19 +129,38 @@ def test_paged_attention_equals_dense(query_lens, context_lens, group_cost, monk
         dense_k.append(k_cache[table].flatten(0, 1)[:ctx])
         dense_v.append(v_cache[table].flatten(0, 1)[:ctx])
     q = torch.randn(sum(query_lens), heads, dim)
-    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), query_lens, torch.tensor(context_lens), torch.tensor(tables), block_size)
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), query_lens, torch.tensor(context_lens), torch.tensor(tables), block_size,
+                             decode_kernel=decode_kernel)
     if group_cost is not None:  # decode gathers into reused buffers, larger than needed and full of garbage
         meta.gather_buffers = tuple(torch.full((20, block_size, kv_heads, dim), float("nan")) for _ in range(2))
     out = paged_attention(q, k_cache, v_cache, meta, dim**-0.5)
     start = 0
-    for n, ctx, k, v in zip(query_lens, context_lens, dense_k, dense_v):
-        k = k.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # [H, ctx, D]
-        v = v.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
-        scores = q[start:start + n].transpose(0, 1) @ k.transpose(1, 2) * dim**-0.5  # [H, n, ctx]
-        causal = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
-        ref = (scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v).transpose(0, 1)
-        torch.testing.assert_close(out[start:start + n], ref, atol=1e-5, rtol=1e-5)
+    for n, k, v in zip(query_lens, dense_k, dense_v):
+        torch.testing.assert_close(out[start:start + n], dense_attention(q[start:start + n], k, v, dim**-0.5), atol=1e-5, rtol=1e-5)
         start += n
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
+@pytest.mark.parametrize("kv_heads, heads", [(1, 1), (2, 6), (2, 16)])  # no GQA, groups of 3 (the tiny model), of 8
+def test_decode_kernel_reads_the_paged_cache_in_place(head_dim, kv_heads, heads):
+    from mlplat.engine import cpu_kernels
+
+    assert cpu_kernels.load_paged_attention(), "the C++ decode kernel did not build (see the warning)"
+    torch.manual_seed(head_dim + heads)
+    block_size, num_blocks, context_lens = 16, 64, [1, 16, 17, 100, 300]
+    k_cache, v_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).unbind(0)
+    order = torch.randperm(num_blocks).tolist()
+    tables = [[order.pop() for _ in range(-(-ctx // block_size))] for ctx in context_lens]
+    width = max(map(len, tables))
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    # q as the model hands it over: a slice of the rotated [T, H + KV, D] tensor, so rows are strided.
+    q = torch.randn(len(context_lens), heads + kv_heads, head_dim)[:, :heads]
+    out = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, torch.tensor(context_lens), head_dim**-0.5)
+    for i, (ctx, table) in enumerate(zip(context_lens, tables)):
+        k, v = k_cache[table].flatten(0, 1)[:ctx], v_cache[table].flatten(0, 1)[:ctx]
+        torch.testing.assert_close(out[i:i + 1], dense_attention(q[i:i + 1], k, v, head_dim**-0.5), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        cpu_kernels.paged_decode_attention(q.double(), k_cache, v_cache, block_tables, torch.tensor(context_lens), 1.0)
 
 
 def test_prefix_cache_hits_give_identical_outputs(llama):

@@ -18,6 +18,8 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from mlplat.engine import cpu_kernels
+
 
 @dataclass
 class AttentionMetadata:
@@ -34,6 +36,9 @@ class AttentionMetadata:
     # Reusable [blocks, block_size, KV, D] buffers for decode gathers (the runner keeps them across
     # steps): a fresh allocation per layer costs ~25% more, page faults included.
     gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Decodes attend through the C++ kernel that reads the paged cache in place (see cpu_kernels) instead of
+    # gathering their blocks for SDPA.
+    decode_kernel: bool = False
 
     def __post_init__(self):
         # Derived once per step rather than once per layer.
@@ -41,7 +46,7 @@ class AttentionMetadata:
         self.num_decodes = next((i for i, n in enumerate(self.query_lens) if n != 1), len(self.query_lens))
         bs, device = self.block_size, self.context_lens.device
         self.decode_groups = []  # (first, end, block ids [rows * width], mask of real tokens [rows, 1, 1, width * bs])
-        for first, end in decode_groups(context_lens[: self.num_decodes], bs):
+        for first, end in [] if self.decode_kernel else decode_groups(context_lens[: self.num_decodes], bs):
             width = -(-max(context_lens[first:end]) // bs)  # blocks of the group's longest context
             valid = torch.arange(width * bs, device=device)[None, :] < self.context_lens[first:end, None]
             self.decode_groups.append((first, end, self.block_tables[first:end, :width].flatten(), valid[:, None, None, :]))
@@ -183,6 +188,9 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
     num_heads, head_dim = q.shape[1:]
     kv_heads = k_cache.shape[2]
     outs = []
+    if meta.decode_kernel and meta.num_decodes:
+        n = meta.num_decodes
+        outs.append(cpu_kernels.paged_decode_attention(q[:n], k_cache, v_cache, meta.block_tables[:n], meta.context_lens[:n], scale))
     for first, end, blocks, valid in meta.decode_groups:
         # One query per sequence: gather the group's blocks once and attend in one call. GQA: the
         # `group` query heads that share a KV head go in as that head's queries ([B, KV, group, D]), so

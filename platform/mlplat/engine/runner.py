@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from mlplat.engine import cpu_kernels
 from mlplat.engine.config import EngineConfig
 from mlplat.engine.model import (
     AttentionMetadata,
@@ -71,6 +72,12 @@ class ModelRunner:
         )
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # grown on demand, see AttentionMetadata
+        self.decode_kernel = (
+            cfg.cpu_attention_kernel
+            and cpu_fp32
+            and cpu_kernels.supports(head_dim, c.num_attention_heads, c.num_key_value_heads)
+            and cpu_kernels.load_paged_attention()
+        )
 
     @property
     def kv_layout(self) -> dict:
@@ -137,6 +144,7 @@ class ModelRunner:
             context_lens=as_tensor(context_lens),
             block_tables=as_tensor(tables),
             block_size=bs,
+            decode_kernel=self.decode_kernel,
         )
         return as_tensor(input_ids), as_tensor(positions), meta, as_tensor(logits_indices)
 

@@ -1,0 +1,119 @@
+// Paged decode attention on CPU: each sequence's single new query reads its keys and values in place
+// through its block table (no gather into a contiguous copy); the query heads that share a KV head
+// read each K/V row once. fp32; head_dim 16, 32, 64 or 128; up to 8 query heads per KV head.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// 16 floats; GCC lowers it to what the target has (one AVX-512 register, two AVX2, four SSE).
+typedef float vec16 __attribute__((vector_size(64)));
+typedef float vec8 __attribute__((vector_size(32)));
+typedef float vec4 __attribute__((vector_size(16)));
+
+inline vec16 load(const float* p) { vec16 v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store(float* p, vec16 v) { std::memcpy(p, &v, sizeof v); }
+inline float hsum(vec16 v) {  // a tree of halving adds, not 15 dependent ones
+  vec8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  vec4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+struct Paged {  // where token t of one sequence's KV head sits
+  const float* base; const int64_t* table; int64_t block_size, block_stride, token_stride;
+  const float* row(int64_t t) const { return base + table[t / block_size] * block_stride + t % block_size * token_stride; }
+};
+
+// One sequence, one KV head and the kG query heads that share it. kD (head_dim / 16) and kG are
+// compile-time so a K/V row, the queries and the output accumulators stay in registers.
+template <int kD, int kG>
+void attend(const float* q, Paged keys, Paged values, int64_t ctx, float scale, float* scores, float* out) {
+  vec16 qv[kG][kD], acc[kG][kD];
+  for (int g = 0; g < kG; ++g)
+    for (int d = 0; d < kD; ++d) qv[g][d] = load(q + (g * kD + d) * 16) * scale, acc[g][d] = vec16{};
+  for (int64_t t = 0; t < ctx; ++t) {
+    const float* k = keys.row(t);
+    vec16 kv[kD];
+    for (int d = 0; d < kD; ++d) kv[d] = load(k + 16 * d);
+    for (int g = 0; g < kG; ++g) {
+      vec16 s = qv[g][0] * kv[0];
+      for (int d = 1; d < kD; ++d) s += qv[g][d] * kv[d];
+      scores[g * ctx + t] = hsum(s);
+    }
+  }
+  for (int g = 0; g < kG; ++g) {  // softmax over the context, in place
+    float* s = scores + g * ctx;
+    const float m = *std::max_element(s, s + ctx);
+    float sum = 0.f;
+    for (int64_t t = 0; t < ctx; ++t) sum += (s[t] = std::exp(s[t] - m));
+    for (int64_t t = 0; t < ctx; ++t) s[t] /= sum;
+  }
+  for (int64_t t = 0; t < ctx; ++t) {
+    const float* v = values.row(t);
+    vec16 vv[kD];
+    for (int d = 0; d < kD; ++d) vv[d] = load(v + 16 * d);
+    for (int g = 0; g < kG; ++g)
+      for (int d = 0; d < kD; ++d) acc[g][d] += scores[g * ctx + t] * vv[d];
+  }
+  for (int g = 0; g < kG; ++g)
+    for (int d = 0; d < kD; ++d) store(out + (g * kD + d) * 16, acc[g][d]);
+}
+
+template <int kD, int kG>
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+         const at::Tensor& context_lens, float scale, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), KV = k_cache.size(2), G = kG, W = block_tables.size(1);
+  const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+  const int64_t *tables = block_tables.data_ptr<int64_t>(), *lens = context_lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  // Work items (sequence, KV head) handed out one at a time: contexts differ, so equal static shares would not balance.
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> scores;
+    for (int64_t item; (item = next++) < B * KV;) {
+      const int64_t b = item / KV, h = item % KV, ctx = lens[b];
+      scores.resize(G * ctx);
+      Paged keys{kp + h * k_cache.stride(2), tables + b * W, k_cache.size(1), k_cache.stride(0), k_cache.stride(1)};
+      Paged values{vp + h * v_cache.stride(2), tables + b * W, v_cache.size(1), v_cache.stride(0), v_cache.stride(1)};
+      attend<kD, kG>(qp + b * q.stride(0) + h * G * q.stride(1), keys, values, ctx, scale, scores.data(), op + (b * H + h * G) * 16 * kD);
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
+              "paged_decode_attention: q [B, H, D], k_cache and v_cache [blocks, block_size, KV, D] of one layout");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
+              "paged_decode_attention: float32 only");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong && block_tables.is_contiguous() &&
+              context_lens.is_contiguous() && block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0),
+              "paged_decode_attention: block_tables [B, W] and context_lens [B], contiguous int64");
+  const int64_t D = q.size(2);
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D && k_cache.stride(3) == 1 && k_cache.size(3) == D && q.size(1) % k_cache.size(2) == 0,
+              "paged_decode_attention: rows of head_dim contiguous, query heads a multiple of KV heads");
+  auto out = at::empty({q.size(0), q.size(1), D}, q.options());
+  const int64_t G = q.size(1) / k_cache.size(2);
+#define KERNEL(d, g) \
+  if (D == 16 * d && G == g) return run<d, g>(q, k_cache, v_cache, block_tables, context_lens, scale, out), out;
+#define GROUPS(d) KERNEL(d, 1) KERNEL(d, 2) KERNEL(d, 3) KERNEL(d, 4) KERNEL(d, 5) KERNEL(d, 6) KERNEL(d, 7) KERNEL(d, 8)
+  GROUPS(1) GROUPS(2) GROUPS(4) GROUPS(8)
+#undef GROUPS
+#undef KERNEL
+  TORCH_CHECK(false, "paged_decode_attention: no kernel for head_dim ", D, " with ", G, " query heads per KV head");
+}
+
+}  // namespace
+
+TORCH_LIBRARY(mlplat, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+}
