@@ -119,7 +119,8 @@ def test_paged_attention_equals_dense(query_lens, context_lens, group_cost, deco
         monkeypatch.setattr(model, "GROUP_COST_TOKENS", group_cost)
         assert len(model.decode_groups(context_lens[:3], 4)) == 3
     torch.manual_seed(0)
-    block_size, kv_heads, heads, dim, num_blocks = 4, 2, 4, 16, 32
+    block_size, kv_heads, heads, num_blocks = 4, 2, 4, 32
+    dim = 16 if decode_kernel else 8  # 8: a head_dim the kernel does not take, which SDPA still must
     k_cache, v_cache = torch.randn(2, num_blocks, block_size, kv_heads, dim).unbind(0)
     order = torch.randperm(num_blocks).tolist()  # blocks scattered over the cache
     tables, dense_k, dense_v = [], [], []
@@ -161,6 +162,8 @@ def test_decode_kernel_reads_the_paged_cache_in_place(head_dim, kv_heads, heads)
         torch.testing.assert_close(out[i:i + 1], dense_attention(q[i:i + 1], k, v, head_dim**-0.5), atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="float32 only"):
         cpu_kernels.paged_decode_attention(q.double(), k_cache, v_cache, block_tables, torch.tensor(context_lens), 1.0)
+    with pytest.raises(RuntimeError, match=r"context_lens\[1\] = 0 is outside 1\.\.304"):
+        cpu_kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, torch.tensor([1, 0, 1, 1, 1]), 1.0)
 
 
 def test_prefix_cache_hits_give_identical_outputs(llama):

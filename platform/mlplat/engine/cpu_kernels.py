@@ -15,7 +15,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import platform
+import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -31,13 +34,28 @@ def supports(head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
     return head_dim in HEAD_DIMS and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP
 
 
-def _cpu_fingerprint() -> str:
-    """The build is for this CPU (-march=native): a home directory shared by different machines keeps one build per CPU."""
+STALE_LOCK_SECONDS = 600  # a build takes ~20 s; a lock this old was left by a process killed mid-build
+
+
+def _build_name() -> str:
+    """One build per source and CPU (-march=native): checkouts and machines sharing a home directory keep theirs apart."""
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(("flags", "Features")))
     except (OSError, StopIteration):
         flags = platform.processor()
-    return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
+    digest = hashlib.sha1(f"{platform.machine()} {flags}".encode() + SOURCE.read_bytes()).hexdigest()[:12]
+    return f"mlplat_paged_attention_{digest}"
+
+
+def _build_directory(name: str) -> Path:
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    directory = root / name
+    directory.mkdir(parents=True, exist_ok=True)
+    # torch waits forever on a build lock; one left by a killed build would hang every engine start.
+    lock = directory / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+        lock.unlink(missing_ok=True)
+    return directory
 
 
 @functools.cache
@@ -48,9 +66,15 @@ def load_paged_attention() -> bool:
     from torch.utils.cpp_extension import load
 
     try:
+        if shutil.which("ninja") is None:  # the pip-installed ninja sits in the venv's bin, not always on PATH
+            import ninja
+
+            os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+        name = _build_name()
         load(
-            name=f"mlplat_paged_attention_{_cpu_fingerprint()}",
+            name=name,
             sources=[str(SOURCE)],
+            build_directory=str(_build_directory(name)),
             # -ffast-math at compile time only (not at link, which would set flush-to-zero for the whole process):
             # it lets GCC vectorise the softmax's exp.
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],

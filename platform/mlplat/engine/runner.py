@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -24,6 +25,8 @@ from mlplat.engine.quant import Int8Linear, quantize_int8_
 from mlplat.engine.sequence import Sequence
 from mlplat.errors import CheckpointError
 from mlplat.models.checkpoint import validate_checkpoint_dir
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -72,12 +75,12 @@ class ModelRunner:
         )
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # grown on demand, see AttentionMetadata
-        self.decode_kernel = (
-            cfg.cpu_attention_kernel
-            and cpu_fp32
-            and cpu_kernels.supports(head_dim, c.num_attention_heads, c.num_key_value_heads)
-            and cpu_kernels.load_paged_attention()
-        )
+        self.decode_kernel = cfg.cpu_attention_kernel and cpu_fp32
+        if self.decode_kernel and not cpu_kernels.supports(head_dim, c.num_attention_heads, c.num_key_value_heads):
+            log.warning("no CPU attention kernel for head_dim %d with %d query heads per KV head; decodes use gather + SDPA",
+                        head_dim, c.num_attention_heads // c.num_key_value_heads)
+            self.decode_kernel = False
+        self.decode_kernel = self.decode_kernel and cpu_kernels.load_paged_attention()
 
     @property
     def kv_layout(self) -> dict:

@@ -100,6 +100,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t D = q.size(2);
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D && k_cache.stride(3) == 1 && k_cache.size(3) == D && q.size(1) % k_cache.size(2) == 0,
               "paged_decode_attention: rows of head_dim contiguous, query heads a multiple of KV heads");
+  TORCH_CHECK(k_cache.size(2) > 0 && k_cache.size(1) > 0, "paged_decode_attention: empty cache layout");
+  const int64_t capacity = block_tables.size(1) * k_cache.size(1);
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b)
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= capacity, "paged_decode_attention: context_lens[", b, "] = ", lens[b],
+                " is outside 1..", capacity, " (block_tables width x block_size)");
   auto out = at::empty({q.size(0), q.size(1), D}, q.options());
   const int64_t G = q.size(1) / k_cache.size(2);
 #define KERNEL(d, g) \
