@@ -86,11 +86,11 @@ def engine_for(path, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(path), **{"block_size": 4, "num_kv_blocks": 128, **kw}))
 
 
-@pytest.mark.parametrize("decode_kernel", [True, False], ids=["kernel", "gather-sdpa"])
-def test_greedy_equals_transformers_generate(checkpoint, decode_kernel):
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "aten"])
+def test_greedy_equals_transformers_generate(checkpoint, kernels):
     batch = prompts()
-    engine = engine_for(checkpoint, cpu_attention_kernel=decode_kernel)
-    assert engine.runner.decode_kernel == decode_kernel
+    engine = engine_for(checkpoint, cpu_kernels=kernels)
+    assert engine.runner.decode_kernel == kernels and engine.runner.model.norm.cpu_kernel == kernels
     outs = run_checked(engine, prompt_ids=batch)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(checkpoint, batch, GREEDY.max_tokens)
 
@@ -114,7 +114,7 @@ def dense_attention(q, k, v, scale):
 def test_paged_attention_equals_dense(query_lens, context_lens, group_cost, decode_kernel, monkeypatch):
     from mlplat.engine import cpu_kernels, model
 
-    assert not decode_kernel or cpu_kernels.load_paged_attention(), "the C++ decode kernel did not build (see the warning)"
+    assert not decode_kernel or cpu_kernels.load(), "the C++ decode kernel did not build (see the warning)"
     if group_cost is not None:
         monkeypatch.setattr(model, "GROUP_COST_TOKENS", group_cost)
         assert len(model.decode_groups(context_lens[:3], 4)) == 3
@@ -146,7 +146,7 @@ def test_paged_attention_equals_dense(query_lens, context_lens, group_cost, deco
 def test_decode_kernel_reads_the_paged_cache_in_place(head_dim, kv_heads, heads):
     from mlplat.engine import cpu_kernels
 
-    assert cpu_kernels.load_paged_attention(), "the C++ decode kernel did not build (see the warning)"
+    assert cpu_kernels.load(), "the C++ decode kernel did not build (see the warning)"
     torch.manual_seed(head_dim + heads)
     block_size, num_blocks, context_lens = 16, 64, [1, 16, 17, 100, 300]
     k_cache, v_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).unbind(0)
@@ -164,6 +164,23 @@ def test_decode_kernel_reads_the_paged_cache_in_place(head_dim, kv_heads, heads)
         cpu_kernels.paged_decode_attention(q.double(), k_cache, v_cache, block_tables, torch.tensor(context_lens), 1.0)
     with pytest.raises(RuntimeError, match=r"context_lens\[1\] = 0 is outside 1\.\.304"):
         cpu_kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, torch.tensor([1, 0, 1, 1, 1]), 1.0)
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (5, 48), (3, 4, 16)])
+def test_rms_norm_kernel_equals_aten(shape):
+    from mlplat.engine import cpu_kernels
+
+    assert cpu_kernels.load(), "the C++ kernels did not build (see the warning)"
+    torch.manual_seed(len(shape))
+    x, weight = torch.randn(*shape) * 3, torch.randn(shape[-1])
+    torch.testing.assert_close(cpu_kernels.rms_norm(x, weight, 1e-6), F.rms_norm(x, (shape[-1],), weight, 1e-6))
+    # A strided view (Qwen3's per-head q norm takes a slice of the fused qkv rows).
+    wide = torch.randn(shape[0], 2 * shape[-1])
+    torch.testing.assert_close(cpu_kernels.rms_norm(wide[:, 1::2], weight, 1e-5), F.rms_norm(wide[:, 1::2], (shape[-1],), weight, 1e-5))
+    with pytest.raises(RuntimeError, match="float32 only"):
+        cpu_kernels.rms_norm(x.double(), weight.double(), 1e-6)
+    with pytest.raises(RuntimeError, match=r"x \[\.\.\., N\] and weight \[N\]"):
+        cpu_kernels.rms_norm(x, weight[:-1], 1e-6)
 
 
 def test_prefix_cache_hits_give_identical_outputs(llama):

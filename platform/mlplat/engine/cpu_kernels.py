@@ -1,9 +1,10 @@
-"""The engine's one C++ kernel on CPU: paged decode attention (csrc/paged_attention.cpp).
+"""The engine's C++ kernels on CPU (csrc/cpu_kernels.cpp), fp32.
 
-Decode attention is memory-bound: every step reads each sequence's whole KV. Gathering the
-blocks into a contiguous copy for SDPA reads and writes it twice more; the kernel reads the
-blocks in place through the block table, the query heads of a GQA group sharing each row.
-On a 2-core CPU, 32 decodes at 512 tokens of context: about 2x faster than gather + SDPA.
+- Paged decode attention. Every decode step reads each sequence's whole KV. Gathering the
+  blocks into a contiguous copy for SDPA reads and writes it twice more; the kernel reads the
+  blocks in place through the block table, the query heads of a GQA group sharing each row.
+  On a 2-core CPU, 32 decodes at 512 tokens of context: about 2x faster than gather + SDPA.
+- RMSNorm in two passes over each row, 4-6x faster than ATen's chain of ops on CPU.
 
 Built on first use by torch.utils.cpp_extension (~20 s on 2 cores; needs a C++ compiler and
 ninja) and cached on disk per CPU; where it cannot be built the engine falls back to gather +
@@ -25,12 +26,13 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 HEAD_DIMS = (16, 32, 64, 128)
 MAX_GROUP = 8  # query heads per KV head
 
 
-def supports(head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
+def supports_decode_attention(head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
+    """Whether paged_decode_attention takes this head size and GQA group."""
     return head_dim in HEAD_DIMS and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP
 
 
@@ -44,7 +46,7 @@ def _build_name() -> str:
     except (OSError, StopIteration):
         flags = platform.processor()
     digest = hashlib.sha1(f"{platform.machine()} {flags}".encode() + SOURCE.read_bytes()).hexdigest()[:12]
-    return f"mlplat_paged_attention_{digest}"
+    return f"mlplat_cpu_kernels_{digest}"
 
 
 def _build_directory(name: str) -> Path:
@@ -59,9 +61,9 @@ def _build_directory(name: str) -> Path:
 
 
 @functools.cache
-def load_paged_attention() -> bool:
-    """Build (or load the cached build of) ``torch.ops.mlplat.paged_decode_attention``; False where it cannot be built."""
-    if hasattr(torch.ops.mlplat, "paged_decode_attention"):
+def load() -> bool:
+    """Build (or load the cached build of) the ``torch.ops.mlplat`` kernels; False where they cannot be built."""
+    if hasattr(torch.ops.mlplat, "rms_norm"):
         return True
     from torch.utils.cpp_extension import load
 
@@ -82,7 +84,7 @@ def load_paged_attention() -> bool:
             is_python_module=False,
         )
     except Exception as exc:  # no compiler, no ninja, an unusual platform: the SDPA path still works
-        log.warning("paged attention kernel unavailable (%s: %s); decode attention falls back to gather + SDPA", type(exc).__name__, exc)
+        log.warning("CPU kernels unavailable (%s: %s); the engine falls back to gather + SDPA and ATen's RMSNorm", type(exc).__name__, exc)
         return False
     return True
 
@@ -91,5 +93,10 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     """[B, H, D] attention of one new query per sequence over its cached keys and values.
 
     q [B, H, D] (rows contiguous); caches [num_blocks, block_size, KV, D]; block_tables [B, W] and
-    context_lens [B], int64. Call ``load_paged_attention`` first."""
+    context_lens [B], int64. Call ``load`` first."""
     return torch.ops.mlplat.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x`` [..., N] with ``weight`` [N], float32 (as F.rms_norm). Call ``load`` first."""
+    return torch.ops.mlplat.rms_norm(x, weight, eps)

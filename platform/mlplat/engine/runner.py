@@ -17,6 +17,7 @@ from mlplat.engine.model import (
     AttentionMetadata,
     CausalLM,
     Linear,
+    RMSNorm,
     hf_state_dict_to_engine,
     pack_linear_weights_,
     store_linear_weights_input_major_,
@@ -75,12 +76,14 @@ class ModelRunner:
         )
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # grown on demand, see AttentionMetadata
-        self.decode_kernel = cfg.cpu_attention_kernel and cpu_fp32
-        if self.decode_kernel and not cpu_kernels.supports(head_dim, c.num_attention_heads, c.num_key_value_heads):
+        self.cpu_kernels = cfg.cpu_kernels and cpu_fp32 and cpu_kernels.load()
+        self.decode_kernel = self.cpu_kernels and cpu_kernels.supports_decode_attention(head_dim, c.num_attention_heads, c.num_key_value_heads)
+        if self.cpu_kernels and not self.decode_kernel:
             log.warning("no CPU attention kernel for head_dim %d with %d query heads per KV head; decodes use gather + SDPA",
                         head_dim, c.num_attention_heads // c.num_key_value_heads)
-            self.decode_kernel = False
-        self.decode_kernel = self.decode_kernel and cpu_kernels.load_paged_attention()
+        for module in self.model.modules():
+            if isinstance(module, RMSNorm):
+                module.cpu_kernel = self.cpu_kernels
 
     @property
     def kv_layout(self) -> dict:
