@@ -18,7 +18,8 @@ Measures (all in one run):
   a read-only pass over the same tensor (what a GEMV could stream at best);
 - c=32 decode step time against step FLOPs / matmul FLOP/s measured at the step's shapes: on the
   mixed workload (the timed c=32 run's steps that decode 32 sequences, each step's FLOPs from its
-  own contexts), and, stricter, with every sequence at the longest prompt's context;
+  own contexts; the FLOP/s timed right before and right after that run, as the machine's speed
+  drifts), and, stricter, with every sequence at the longest prompt's context;
 - TTFT of a prompt whose first 90% is cached, against the same prompt uncached;
 - speculative decoding at c=1 against plain decoding: a draft model (the target's first
   layer, embeddings and head: same tokenizer) on the mixed prompts, and n-gram lookup on a
@@ -238,8 +239,15 @@ def main() -> None:
     scale = (32, 128, 16, 64) if args.quick else (32, 512, 16, 256)
     engine = LLMEngine(EngineConfig(model=str(model_dir), block_size=16, max_num_seqs=32, max_num_batched_tokens=2048, num_kv_blocks=2048))
 
+    cfg = hf.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    h, i_, kvd = cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * head_dim
+    shapes = [(32, h, h + 2 * kvd), (32, h, h), (32, h, 2 * i_), (32, i_, h)] * cfg.num_hidden_layers + [(32, h, vocab)]
+    distinct_shapes = shapes[:4] + shapes[-1:]
+
     rows, report = [], {"model_params": n_params}
     mixed_steps = []  # the c=32 run's steps, for the compute roofline on the mixed workload
+    rates_around_c32 = []  # matmul FLOP/s right before and right after that run: the machine's speed drifts
     for c in (1, 8, 32):
         n = {1: 2 if args.quick else 4, 8: 8 if args.quick else 16, 32: 32 if args.quick else 64}[c]
         requests = workload(n, scale[:2], scale[2:], vocab, seed=c)
@@ -248,15 +256,17 @@ def main() -> None:
         # Other prompts (another seed), so the timed pass finds none of its prefixes in the engine's cache.
         warm_up = workload(n, scale[:2], scale[2:], vocab, seed=1000 + c)
         engine_throughput(engine, warm_up, c)
+        if c == 32:
+            rates_around_c32.append(matmul_flops(distinct_shapes))
         ours = engine_throughput(engine, requests, c, mixed_steps if c == 32 else None)
+        if c == 32:
+            rates_around_c32.append(matmul_flops(distinct_shapes))
         hf_throughput(hf, warm_up, c)
         base = hf_throughput(hf, requests, c)
         rows.append((f"c={c} output tok/s", ours, base))
         report[f"throughput_ratio_c{c}"] = ours / base
         report[f"engine_tok_s_c{c}"], report[f"hf_tok_s_c{c}"] = ours, base
 
-    cfg = hf.config
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
     context = scale[1]
     # c=1 against the memory roofline. The machine's bandwidth drifts by tens of percent within
     # minutes, so each round times the bandwidths right beside the steps; medians over the rounds.
@@ -282,18 +292,21 @@ def main() -> None:
     rows.append(("c=1 matmuls alone ms (roofline ms)", 1000 * median("matmuls1"), 1000 * ideal1))
     rows.append(("c=1 decode step ms (read-stream roofline)", 1000 * median("t1"), 1000 * step_bytes / median("read_rate")))
 
-    h, i_, kvd = cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * head_dim
-    shapes = [(32, h, h + 2 * kvd), (32, h, h), (32, h, 2 * i_), (32, i_, h)] * cfg.num_hidden_layers + [(32, h, vocab)]
-    flops = matmul_flops(shapes[:4] + shapes[-1:])
+    flops = matmul_flops(distinct_shapes)
     attention_flops = lambda contexts: sum(4 * cfg.num_hidden_layers * ctx * cfg.num_attention_heads * head_dim for ctx in contexts)  # noqa: E731
     linear_flops32 = sum(2 * m * k * n for m, k, n in shapes)
     # c=32 on the mixed workload (the issue's measure): the timed run's steps that decode 32 sequences
     # (the steady state; steps with a prefill chunk have other shapes), each against its own FLOPs
-    # (its sequences' contexts) at the matmul rate measured at the step's shapes.
+    # (its sequences' contexts) at the matmul rate measured at the step's shapes, right before and right
+    # after the run (their mean; the fractions against each beside it).
     decode32 = [(t, [ctx for _, ctx in ran]) for t, ran in mixed_steps if len(ran) == 32 and all(n == 1 for n, _ in ran)]
     assert decode32, "the c=32 run had no step decoding 32 sequences: give its requests longer outputs"
-    ideal_mixed = sum(linear_flops32 + attention_flops(contexts) for _, contexts in decode32) / flops
-    report["compute_roofline_fraction_c32"] = ideal_mixed / sum(t for t, _ in decode32)
+    mixed_flop, mixed_seconds = sum(linear_flops32 + attention_flops(contexts) for _, contexts in decode32), sum(t for t, _ in decode32)
+    rate_c32 = sum(rates_around_c32) / 2
+    ideal_mixed = mixed_flop / rate_c32
+    report["compute_roofline_fraction_c32"] = ideal_mixed / mixed_seconds
+    report["compute_roofline_fraction_c32_rate_before_run"] = mixed_flop / rates_around_c32[0] / mixed_seconds
+    report["compute_roofline_fraction_c32_rate_after_run"] = mixed_flop / rates_around_c32[1] / mixed_seconds
     report["c32_mixed_decode_steps"] = len(decode32)
     report["c32_mixed_mean_context"] = sum(sum(c) for _, c in decode32) / (32 * len(decode32))
     rows.append(("c=32 mixed decode step ms (roofline ms)", 1000 * sum(t for t, _ in decode32) / len(decode32), 1000 * ideal_mixed / len(decode32)))
@@ -307,9 +320,10 @@ def main() -> None:
     # the last-level cache; the step streams every layer's own weights. The mixed-workload fraction
     # against the FLOP/s of the step's matmuls as the step runs them (one pass, all layers, 32 rows):
     streamed = linear_flops32 / matmuls_only_time(engine.runner.model, rows=32)
-    report["compute_roofline_fraction_c32_streamed_weights"] = ideal_mixed * flops / streamed / sum(t for t, _ in decode32)
+    report["compute_roofline_fraction_c32_streamed_weights"] = mixed_flop / streamed / mixed_seconds
     report["matmul_gflop_s_streamed_weights"] = streamed / 1e9
     report["matmul_gflop_s"] = flops / 1e9
+    report["matmul_gflop_s_around_c32_run"] = [rate / 1e9 for rate in rates_around_c32]
 
     prompt_len = scale[1]
     shared = workload(1, (int(prompt_len * 0.9),) * 2, (1, 1), vocab, seed=99)[0][0]

@@ -34,12 +34,38 @@ struct Paged {  // one sequence's KV head: token i of its j-th block sits at blo
   const float* block(int64_t j) const { return base + table[j] * block_stride; }
 };
 
-// Calls fn(t, row) for t in [0, ctx), block by block (no division per token).
-template <typename Fn>
+// One sequence's rows in order, block by block, with no division per row.
+struct Rows {
+  const Paged& p;
+  const int64_t ctx;
+  int64_t t = 0, i = 0, j = 0;  // token t: row i of the sequence's j-th block
+  const float* row;
+  Rows(const Paged& p, int64_t ctx) : p(p), ctx(ctx), row(p.block(0)) {}
+  void next() {
+    ++t;
+    if (++i < p.block_size) {
+      row += p.token_stride;
+      return;
+    }
+    i = 0, ++j;
+    if (t < ctx) row = p.block(j);  // past the last row the table may have no next block
+  }
+};
+
+// Calls fn(t, row) for t in [0, ctx), each row prefetched kAhead rows before its turn: blocks lie anywhere
+// in the cache and one head's rows are strided, so the hardware prefetchers do not see them coming
+// (30-40% faster here at 32 decodes of 350-512 tokens).
+template <int kRowBytes, typename Fn>
 inline void for_each_row(const Paged& p, int64_t ctx, Fn fn) {
-  for (int64_t j = 0, t = 0; t < ctx; ++j) {
-    const float* row = p.block(j);
-    for (const int64_t end = std::min(ctx, t + p.block_size); t < end; ++t, row += p.token_stride) fn(t, row);
+  constexpr int64_t kAhead = 16;
+  auto prefetch = [](const float* row) {
+    for (int c = 0; c < kRowBytes; c += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + c);
+  };
+  Rows at(p, ctx), ahead(p, ctx);
+  for (; ahead.t < std::min(kAhead, ctx); ahead.next()) prefetch(ahead.row);
+  for (; at.t < ctx; at.next()) {
+    if (ahead.t < ctx) prefetch(ahead.row), ahead.next();
+    fn(at.t, at.row);
   }
 }
 
@@ -50,7 +76,7 @@ void attend(const float* q, Paged keys, Paged values, int64_t ctx, float scale, 
   vec16 qv[kG][kD], acc[kG][kD];
   for (int g = 0; g < kG; ++g)
     for (int d = 0; d < kD; ++d) qv[g][d] = load(q + (g * kD + d) * 16) * scale, acc[g][d] = vec16{};
-  for_each_row(keys, ctx, [&](int64_t t, const float* k) {
+  for_each_row<kD * 64>(keys, ctx, [&](int64_t t, const float* k) {
     vec16 kv[kD];
     for (int d = 0; d < kD; ++d) kv[d] = load(k + 16 * d);
     for (int g = 0; g < kG; ++g) {
@@ -67,7 +93,7 @@ void attend(const float* q, Paged keys, Paged values, int64_t ctx, float scale, 
     const float inv = 1.f / sum;
     for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
   }
-  for_each_row(values, ctx, [&](int64_t t, const float* v) {
+  for_each_row<kD * 64>(values, ctx, [&](int64_t t, const float* v) {
     vec16 vv[kD];
     for (int d = 0; d < kD; ++d) vv[d] = load(v + 16 * d);
     for (int g = 0; g < kG; ++g)
