@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qw
 from mlplat.engine import EngineConfig, LLMEngine, QueueFullError, SamplingParams
 from mlplat.engine.config import SpeculativeConfig
 from mlplat.engine.model import AttentionMetadata, paged_attention
-from mlplat.engine.spec_decode import verify
+from mlplat.engine.spec_decode import NgramDrafter, verify
 from mlplat.models import load_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -93,6 +93,33 @@ def test_greedy_equals_transformers_generate(checkpoint, kernels):
     assert engine.runner.decode_kernel == kernels and engine.runner.model.norm.cpu_kernel == kernels
     outs = run_checked(engine, prompt_ids=batch)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(checkpoint, batch, GREEDY.max_tokens)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine: the engine's GPU path is checked where there is one")
+
+
+@needs_cuda
+def test_greedy_on_cuda_equals_transformers_generate(checkpoint):
+    """The same code on the GPU (fp32, so the reference is exact): paged prefill, gather + SDPA decodes."""
+    batch = prompts()
+    engine = engine_for(checkpoint, device="cuda")
+    assert engine.runner.kv_cache.is_cuda and not engine.runner.decode_kernel
+    outs = run_checked(engine, prompt_ids=batch)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(checkpoint, batch, GREEDY.max_tokens)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype, quantization", [("bfloat16", None), ("float16", None), ("float32", "int8")])
+def test_cuda_serving_features(llama, dtype, quantization):
+    """Half precision and int8 on the GPU: seeded n>1 sampling reproducible, prefix-cache hits and logprobs."""
+    engine = engine_for(llama, device="cuda", dtype=dtype, quantization=quantization)
+    params = SamplingParams(temperature=0.8, top_p=0.9, n=2, seed=3, max_tokens=8, logprobs=True, ignore_eos=True)
+    batch = prompts(3, seed=4)
+    first, again = run_checked(engine, params, batch), run_checked(engine, params, batch)  # the second pass hits the prefix cache
+    assert engine.block_manager.hit_rate > 0
+    for a, b in zip(first, again):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+        assert all(len(o.token_ids) == 8 and all(lp <= 0 for lp in o.logprobs) for o in a.outputs)
 
 
 def dense_attention(q, k, v, scale):
@@ -413,6 +440,14 @@ def test_ngram_speculation_is_lossless_for_greedy(llama):
     engine = spec_engine(llama, "ngram")
     assert [o.outputs[0].token_ids for o in run_checked(engine, prompt_ids=batch)] == reference
     assert engine.num_draft_tokens > 0
+
+
+def test_ngram_drafts_take_the_latest_match_with_k_tokens_after_it():
+    drafter = NgramDrafter(SpeculativeConfig(method="ngram", ngram_max=3))
+    assert drafter._one([1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # the latest of two matches
+    assert drafter._one([1, 2, 3, 4, *[9] * 8], 4) == [9, 9, 9, 9]  # a run: not the overlapping latest match's one token
+    assert drafter._one([9, 9, 9, 9, 9], 4) == [9, 9]  # none has 4 after it: the longest continuation there is
+    assert drafter._one([5, 6, 7, 8], 3) == []  # no earlier match of any length
 
 
 def test_draft_model_speculation(llama, tmp_path, tiny_model):

@@ -51,13 +51,21 @@ class NgramDrafter:
         return [self._one(seq.token_ids, k) for seq, k in zip(seqs, budgets)]
 
     def _one(self, tokens: list[int], k: int) -> list[int]:
+        """What followed the most recent earlier match of the longest matching tail that has k tokens after
+        it (else the longest continuation there is): in a run of one repeated token, the latest match
+        overlaps the tail and has a single token after it, the one k back has k."""
         for n in range(self.cfg.ngram_max, self.cfg.ngram_min - 1, -1):
             if len(tokens) <= n or k <= 0:
                 continue
-            tail = tokens[-n:]
-            for start in range(len(tokens) - n - 1, -1, -1):  # the most recent earlier match
+            tail, best = tokens[-n:], []
+            for start in range(len(tokens) - n - 1, -1, -1):  # most recent first
                 if tokens[start : start + n] == tail:
-                    return tokens[start + n : start + n + k]
+                    follow = tokens[start + n : start + n + k]
+                    if len(follow) == k:
+                        return follow
+                    best = max(best, follow, key=len)
+            if best:
+                return best
         return []
 
     def retain(self, live_seq_ids: set[int]) -> None:
