@@ -298,12 +298,11 @@ def main() -> None:
     # c=32 on the mixed workload (the issue's measure): the timed run's steps that decode 32 sequences
     # (the steady state; steps with a prefill chunk have other shapes), each against its own FLOPs
     # (its sequences' contexts) at the matmul rate measured at the step's shapes, right before and right
-    # after the run (their mean; the fractions against each beside it).
+    # after the run (the mean of the times the two rates give; the fractions against each beside it).
     decode32 = [(t, [ctx for _, ctx in ran]) for t, ran in mixed_steps if len(ran) == 32 and all(n == 1 for n, _ in ran)]
     assert decode32, "the c=32 run had no step decoding 32 sequences: give its requests longer outputs"
     mixed_flop, mixed_seconds = sum(linear_flops32 + attention_flops(contexts) for _, contexts in decode32), sum(t for t, _ in decode32)
-    rate_c32 = sum(rates_around_c32) / 2
-    ideal_mixed = mixed_flop / rate_c32
+    ideal_mixed = sum(mixed_flop / rate for rate in rates_around_c32) / len(rates_around_c32)
     report["compute_roofline_fraction_c32"] = ideal_mixed / mixed_seconds
     report["compute_roofline_fraction_c32_rate_before_run"] = mixed_flop / rates_around_c32[0] / mixed_seconds
     report["compute_roofline_fraction_c32_rate_after_run"] = mixed_flop / rates_around_c32[1] / mixed_seconds

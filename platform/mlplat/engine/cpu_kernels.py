@@ -6,9 +6,11 @@
   On a 2-core CPU, 32 decodes at 512 tokens of context: about 2x faster than gather + SDPA.
 - RMSNorm in two passes over each row, 4-6x faster than ATen's chain of ops on CPU.
 
+Inference only: the ops have no autograd formula (the engine runs under inference_mode).
+
 Built on first use by torch.utils.cpp_extension (~20 s on 2 cores; needs a C++ compiler and
-ninja) and cached on disk per CPU; where it cannot be built the engine falls back to gather +
-SDPA and says why once.
+ninja) and cached on disk per CPU; where they cannot be built the engine falls back to gather +
+SDPA and ATen's RMSNorm and says why once.
 """
 
 from __future__ import annotations

@@ -51,9 +51,10 @@ class NgramDrafter:
         return [self._one(seq.token_ids, k) for seq, k in zip(seqs, budgets)]
 
     def _one(self, tokens: list[int], k: int) -> list[int]:
-        """What followed the most recent earlier match of the longest matching tail that has k tokens after
-        it (else the longest continuation there is): in a run of one repeated token, the latest match
-        overlaps the tail and has a single token after it, the one k back has k."""
+        """What followed an earlier occurrence of the sequence's tail: the longest tail (n from ngram_max
+        down) that occurs earlier; among its occurrences the most recent with k tokens after it, else
+        the longest continuation. In a run of one repeated token the most recent occurrence overlaps
+        the tail and has a single token after it; the one k back has k."""
         for n in range(self.cfg.ngram_max, self.cfg.ngram_min - 1, -1):
             if len(tokens) <= n or k <= 0:
                 continue

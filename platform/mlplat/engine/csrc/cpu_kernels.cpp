@@ -137,11 +137,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D && k_cache.stride(3) == 1 && k_cache.size(3) == D && q.size(1) % k_cache.size(2) == 0,
               "paged_decode_attention: rows of head_dim contiguous, query heads a multiple of KV heads");
   TORCH_CHECK(k_cache.size(2) > 0 && k_cache.size(1) > 0, "paged_decode_attention: empty cache layout");
-  const int64_t capacity = block_tables.size(1) * k_cache.size(1);
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < q.size(0); ++b)
+  const int64_t W = block_tables.size(1), bs = k_cache.size(1), num_blocks = k_cache.size(0), capacity = W * bs;
+  const int64_t *lens = context_lens.data_ptr<int64_t>(), *tables = block_tables.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b) {
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= capacity, "paged_decode_attention: context_lens[", b, "] = ", lens[b],
                 " is outside 1..", capacity, " (block_tables width x block_size)");
+    for (int64_t j = 0; j < (lens[b] + bs - 1) / bs; ++j)
+      TORCH_CHECK(tables[b * W + j] >= 0 && tables[b * W + j] < num_blocks, "paged_decode_attention: block_tables[", b, ", ", j,
+                  "] = ", tables[b * W + j], " is outside 0..", num_blocks - 1);
+  }
   auto out = at::empty({q.size(0), q.size(1), D}, q.options());
   const int64_t G = q.size(1) / k_cache.size(2);
 #define KERNEL(d, g) \
