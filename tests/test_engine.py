@@ -185,7 +185,8 @@ def test_decode_kernel_reads_the_paged_cache_in_place(head_dim, kv_heads, heads)
     order = torch.randperm(num_blocks).tolist()
     tables = [[order.pop() for _ in range(-(-ctx // block_size))] for ctx in context_lens]
     width = max(map(len, tables))
-    # A poisoned row after the table: a read past any sequence's last block would find block -1.
+    # A poisoned row after the table: a kernel that attended past the full-width sequence's last block would
+    # read block -1 (memory before the cache) and miss the dense reference.
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables] + [[-1] * width])[:-1]
     # q as the model hands it over: a slice of the rotated [T, H + KV, D] tensor, so rows are strided.
     q = torch.randn(len(context_lens), heads + kv_heads, head_dim)[:, :heads]

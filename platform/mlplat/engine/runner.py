@@ -76,14 +76,14 @@ class ModelRunner:
         )
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # grown on demand, see AttentionMetadata
-        self.cpu_kernels = cfg.cpu_kernels and cpu_fp32 and cpu_kernels.load()
-        self.decode_kernel = self.cpu_kernels and cpu_kernels.supports_decode_attention(head_dim, c.num_attention_heads, c.num_key_value_heads)
-        if self.cpu_kernels and not self.decode_kernel:
+        self.use_cpu_kernels = cfg.cpu_kernels and cpu_fp32 and cpu_kernels.load()
+        self.decode_kernel = self.use_cpu_kernels and cpu_kernels.supports_decode_attention(head_dim, c.num_attention_heads, c.num_key_value_heads)
+        if self.use_cpu_kernels and not self.decode_kernel:
             log.warning("no CPU attention kernel for head_dim %d with %d query heads per KV head; decodes use gather + SDPA",
                         head_dim, c.num_attention_heads // c.num_key_value_heads)
         for module in self.model.modules():
             if isinstance(module, RMSNorm):
-                module.cpu_kernel = self.cpu_kernels
+                module.cpu_kernel = self.use_cpu_kernels
 
     @property
     def kv_layout(self) -> dict:
