@@ -104,6 +104,7 @@ def test_a_train_jobs_data_tasks_run_in_the_processes_warmed_for_it(ray_cluster,
     from ray.train.torch import TorchTrainer
 
     from mlplat.train.data_workers import warm_data_workers
+    from mlplat.train.recipe import fit_and_release
 
     def pid_column(batch):  # defined here: pickled by value, as Ray workers cannot import test modules
         import numpy as np
@@ -118,12 +119,13 @@ def test_a_train_jobs_data_tasks_run_in_the_processes_warmed_for_it(ray_cluster,
     warmed = set(ray.get(warm_data_workers(num_training_workers=1)))
     assert warmed, "no data workers were warmed: trainer_runtime_env() knows no env for this Ray"
     rows = ray.data.range(64, override_num_blocks=4).map_batches(pid_column)
-    TorchTrainer(
+    trainer = TorchTrainer(
         record_shard_pids,
         train_loop_config={"out": tmp_path},
         scaling_config=ScalingConfig(num_workers=1),
         datasets={"train": rows},
         run_config=RunConfig(storage_path=str(tmp_path / "ray_train")),
-    ).fit()
+    )
+    fit_and_release(trainer)
     ran_in = set(json.loads((tmp_path / "pids.json").read_text()))
     assert ran_in & warmed, f"the job's data tasks ran in {sorted(ran_in)}, none of them the warmed {sorted(warmed)}"

@@ -94,6 +94,25 @@ def test_dpo_raises_the_held_out_margin(preference_run):
     assert set(preference_run.steps) == {"demo_data", "reward_model", "dpo", "eval_sft", "eval_dpo"}
 
 
+TRAIN_RUN_ACTORS = {"TrainController", "DatasetManager", "SplitCoordinator"}  # a Ray Train run's own actors
+
+
+def test_finished_training_jobs_leave_no_processes_behind(preference_run):
+    """The pipeline ran the reward model and DPO as Ray Train jobs inside Ray tasks, whose worker
+    processes stay (idle) for the next task: nothing of the finished jobs may live on in them."""
+    import time
+
+    from ray._private.state import actors  # the state API (ray.util.state) needs the dashboard, which this cluster does not run
+
+    def alive():
+        return sorted(a["ActorClassName"] for a in actors(actor_state_name="ALIVE").values() if a["ActorClassName"] in TRAIN_RUN_ACTORS)
+
+    deadline = time.time() + 30  # handles are released at once; the actors exit a moment later
+    while alive() and time.time() < deadline:
+        time.sleep(0.5)
+    assert not alive(), alive()
+
+
 def sampled_reward(model_dir, rows: list[dict], samples_per_prompt: int = 32) -> float:
     """Mean exact-match reward of temperature-1 samples: the quantity GRPO maximises, on fixed prompts."""
     from mlplat.rl.rewards import exact_match

@@ -55,7 +55,7 @@ from mlplat.train.lora import LoRAConfig, apply_lora
 from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer
 from mlplat.train.parallel import ParallelConfig, parallelize, unwrap
 from mlplat.train.perf import PhaseTimer, flops_per_token, measure_cpu_peak_flops, peak_flops
-from mlplat.train.recipe import git_commit, save_and_report, train_shard
+from mlplat.train.recipe import fit_and_release, git_commit, save_and_report, train_shard
 from mlplat.train.step import StepStats, train_step
 
 
@@ -351,7 +351,7 @@ def run_sft(cfg: SFTConfig, tracking_uri: str | None = None, work_dir: str | Pat
             ),
         )
         warm_data_workers(cfg.num_workers)  # the pipeline's first task processes start beside the trainer's
-        result = trainer.fit()
+        result = fit_and_release(trainer)
         losses = logger.client.get_metric_history(run_id, "loss")
         final_dir = Path(work_dir) / run_id / "final"
         with result.checkpoint.as_directory() as ckpt:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
+import threading
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,6 +35,22 @@ from mlplat.train.checkpoint import MODEL_DIR, TrainState, load_checkpoint, read
 from mlplat.train.data_workers import warm_data_workers
 from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer
 from mlplat.train.parallel import ParallelConfig, parallelize
+
+
+def fit_and_release(trainer: TorchTrainer) -> ray.train.Result:
+    """``trainer.fit()``, then let go of the finished run's controller.
+
+    Ray Train's ``fit`` installs a SIGINT handler that holds the controller actor's handle, so the
+    run's controller, dataset manager and split coordinator (a process each) outlive it until the
+    next ``fit`` or the end of the process; in a pipeline step that is an idle Ray worker, kept for
+    minutes. Restoring the previous handler drops the handle and Ray reclaims them."""
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGINT) if in_main_thread else None
+    try:
+        return trainer.fit()
+    finally:
+        if previous is not None:  # None: a handler not set from Python, which Python cannot put back
+            signal.signal(signal.SIGINT, previous)
 
 
 class RecipeConfig(Config):
@@ -125,7 +143,7 @@ class RecipeRun:
             ),
         )
         warm_data_workers(cfg.num_workers)  # the pipeline's first task processes start beside the trainer's
-        return trainer.fit()
+        return fit_and_release(trainer)
 
     def finish(self, result: ray.train.Result) -> tuple[Path, ModelRef | None]:
         """Copy the final HF model out of the last checkpoint; register it (or log it) in MLflow."""
