@@ -175,10 +175,22 @@ def test_paged_attention_equals_dense(query_lens, context_lens, group_cost, deco
 
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
 @pytest.mark.parametrize("kv_heads, heads", [(1, 1), (2, 6), (2, 16)])  # no GQA, groups of 3 (the tiny model), of 8
-def test_decode_kernel_reads_the_paged_cache_in_place(head_dim, kv_heads, heads):
+# The kernel's two ways to split the work: 5 sequences on 1 thread, one whole sequence per work item; on 4,
+# too few sequences for that, so one KV head of a sequence per item.
+@pytest.mark.parametrize("threads", [1, 4], ids=["sequence-per-item", "head-per-item"])
+def test_decode_kernel_reads_the_paged_cache_in_place(head_dim, kv_heads, heads, threads):
     from mlplat.engine import cpu_kernels
 
     assert cpu_kernels.load(), "the C++ decode kernel did not build (see the warning)"
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_decode_kernel(cpu_kernels, head_dim, kv_heads, heads)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _check_decode_kernel(cpu_kernels, head_dim, kv_heads, heads):
     torch.manual_seed(head_dim + heads)
     block_size, num_blocks, context_lens = 16, 64, [1, 16, 17, 100, 304]  # the last fills its table's 19 blocks exactly
     k_cache, v_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).unbind(0)
