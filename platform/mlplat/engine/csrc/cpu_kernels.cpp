@@ -54,8 +54,9 @@ struct Rows {
 };
 
 // Calls fn(t, row) for t in [0, ctx), prefetching ~2 KB ahead: blocks lie anywhere in the cache, so the
-// hardware prefetchers do not see the next one coming (30-40% faster here at 32 decodes of 350-512 tokens).
-// Further ahead was no faster: more lines in flight than the core tracks.
+// hardware prefetchers do not see the next one coming. Measured here against no prefetch: ~20% faster at 8
+// decodes, and at 32 over 2 KV heads; even at 32 over 4. Of 0, 1, 2, 4 and 8 KB ahead, 2 KB was within 8% of
+// the best in each of these cases.
 template <typename Fn>
 inline void for_each_row(const Paged& p, int64_t ctx, int64_t row_bytes, Fn fn) {
   const int64_t ahead_rows = std::max<int64_t>(1, 2048 / row_bytes);
