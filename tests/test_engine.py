@@ -90,7 +90,9 @@ def engine_for(path, **kw) -> LLMEngine:
 def test_greedy_equals_transformers_generate(checkpoint, kernels):
     batch = prompts()
     engine = engine_for(checkpoint, cpu_kernels=kernels)
-    assert engine.runner.decode_kernel == kernels and engine.runner.model.norm.cpu_kernel == kernels
+    model = engine.runner.model
+    assert engine.runner.decode_kernel == kernels
+    assert model.norm.cpu_kernel == model.layers[0].mlp.act.cpu_kernel == model.rotary.cpu_kernel == kernels
     outs = run_checked(engine, prompt_ids=batch)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(checkpoint, batch, GREEDY.max_tokens)
 
@@ -232,6 +234,42 @@ def test_rms_norm_kernel_equals_aten(shape):
         cpu_kernels.rms_norm(x.double(), weight.double(), 1e-6)
     with pytest.raises(RuntimeError, match=r"x \[\.\.\., N\] and weight \[N\]"):
         cpu_kernels.rms_norm(x, weight[:-1], 1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])  # 300 rows: several parallel tasks
+def test_fused_kernels_equal_aten(rows):
+    from mlplat.engine import cpu_kernels
+    from mlplat.engine.model import RopeTables
+
+    assert cpu_kernels.load(), "the C++ kernels did not build (see the warning)"
+    torch.manual_seed(rows)
+    # The skip connection's add and the norm after it, in place.
+    x, residual, weight = torch.randn(rows, 96), torch.randn(rows, 96) * 3, torch.randn(96)
+    expected_residual = residual + x
+    expected = F.rms_norm(expected_residual, (96,), weight, 1e-6)
+    cpu_kernels.add_rms_norm_(x, residual, weight, 1e-6)
+    torch.testing.assert_close(residual, expected_residual)
+    torch.testing.assert_close(x, expected)
+    with pytest.raises(RuntimeError, match="x and residual"):
+        cpu_kernels.add_rms_norm_(x, residual[:, :48], weight, 1e-6)
+    # SwiGLU on the fused [gate | up] projection.
+    gate_up = torch.randn(rows, 2 * 40) * 4
+    torch.testing.assert_close(cpu_kernels.silu_and_mul(gate_up), F.silu(gate_up[:, :40]) * gate_up[:, 40:])
+    with pytest.raises(RuntimeError, match=r"x \[T, 2N\]"):
+        cpu_kernels.silu_and_mul(gate_up[:, :-1])
+    # RoPE on q and k as the model hands them over: views into the fused qkv rows (strided tokens).
+    heads, kv_heads, head_dim = 4, 2, 32
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim)
+    angles = torch.rand(rows, 1, head_dim // 2) * 10
+    cos, sin = torch.cat((angles.cos(), angles.cos()), -1), torch.cat((-angles.sin(), angles.sin()), -1)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(rows, heads + kv_heads, head_dim)
+    expected = RopeTables(cos, sin).rotate(qk)
+    untouched = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    assert RopeTables(cos, sin, cpu_kernel=True).rotate(qk) is qk
+    torch.testing.assert_close(qk, expected)
+    torch.testing.assert_close(qkv[:, (heads + kv_heads) * head_dim :], untouched)  # v is not rotated
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        cpu_kernels.rotary_(qk, cos[:, :, :-1], sin)
 
 
 def test_prefix_cache_hits_give_identical_outputs(llama):
@@ -520,3 +558,31 @@ def test_kv_cache_sized_by_memory(llama):
     assert capacity < engine.runner.max_model_len  # so the cache, not the context, is the limit
     with pytest.raises(ValueError, match="what the KV cache can hold"):
         engine.add_request([5] * (capacity - 3), GREEDY)
+
+
+def huge_pages_on_request() -> bool:
+    try:
+        return "[never]" not in open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not huge_pages_on_request(), reason="no transparent huge pages on this OS: the KV cache stays on 4 KB pages")
+def test_kv_cache_lies_on_huge_pages(llama):
+    from mlplat.engine.runner import HUGE_PAGE
+
+    engine = engine_for(llama, num_kv_blocks=2048)  # 4 MB of cache: at least one whole 2 MB page
+    cache = engine.runner.kv_cache
+    assert cache.data_ptr() % HUGE_PAGE == 0 and not cache.any()
+    address, huge_kb = cache.data_ptr(), None
+    with open("/proc/self/smaps") as smaps:  # the mapping that holds the cache, and how much of it is on huge pages
+        inside = False
+        for line in smaps:
+            if "-" in line.split()[0] and ":" not in line.split()[0]:
+                start, end = (int(x, 16) for x in line.split()[0].split("-"))
+                inside = start <= address < end
+            elif inside and line.startswith("AnonHugePages:"):
+                huge_kb = int(line.split()[1])
+    assert huge_kb is not None and huge_kb >= HUGE_PAGE // 1024, f"the KV cache's mapping has {huge_kb} kB on huge pages"
+    outs = run_checked(engine, prompt_ids=prompts(2))  # and the engine runs on it
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)

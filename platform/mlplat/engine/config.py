@@ -34,8 +34,8 @@ class EngineConfig(Config):
     # for batches (1.3-2x faster at 8-32 rows) and one for a single row (~1.3x); costs a second copy of
     # the weights in memory. False: one copy, MKL only.
     cpu_packed_weights: bool = True
-    # CPU fp32: decode attention through a C++ kernel that reads the paged KV cache in place, and RMSNorm in C++
-    # (built on first use, ~20 s once, cached; see engine.cpu_kernels). False, or where they cannot be built:
-    # gather + SDPA and ATen's RMSNorm.
+    # CPU fp32: decode attention through a C++ kernel that reads the paged KV cache in place, and RMSNorm (with
+    # the skip connection's add), SwiGLU's activation and RoPE in C++ (built on first use, ~20 s once, cached; see
+    # engine.cpu_kernels). False, or where they cannot be built: gather + SDPA and ATen's ops.
     cpu_kernels: bool = True
     speculative: SpeculativeConfig | None = None

@@ -4,13 +4,15 @@
   blocks into a contiguous copy for SDPA reads and writes it twice more; the kernel reads the
   blocks in place through the block table, the query heads of a GQA group sharing each row.
   On a 2-core CPU, 32 decodes at 512 tokens of context: about 2x faster than gather + SDPA.
-- RMSNorm in two passes over each row, 4-6x faster than ATen's chain of ops on CPU.
+- RMSNorm in two passes over each row, 4-6x faster than ATen's chain of ops on CPU; the skip
+  connection's add fused into the norm after it, in place; SwiGLU's silu(gate) * up; RoPE in place.
+  Each is one pass where ATen runs several ops, each a pass and a new tensor of its own.
 
 Inference only: the ops have no autograd formula (the engine runs under inference_mode).
 
 Built on first use by torch.utils.cpp_extension (~20 s on 2 cores; needs a C++ compiler and
 ninja) and cached on disk per CPU; where they cannot be built the engine falls back to gather +
-SDPA and ATen's RMSNorm and says why once.
+SDPA and ATen's ops and says why once.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def load() -> bool:
             is_python_module=False,
         )
     except Exception as exc:  # no compiler, no ninja, an unusual platform: the SDPA path still works
-        log.warning("CPU kernels unavailable (%s: %s); the engine falls back to gather + SDPA and ATen's RMSNorm", type(exc).__name__, exc)
+        log.warning("CPU kernels unavailable (%s: %s); the engine falls back to gather + SDPA and ATen's ops", type(exc).__name__, exc)
         return False
     return True
 
@@ -102,3 +104,18 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of ``x`` [..., N] with ``weight`` [N], float32 (as F.rms_norm). Call ``load`` first."""
     return torch.ops.mlplat.rms_norm(x, weight, eps)
+
+
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: ``residual += x``, then ``x = rms_norm(residual) * weight``; both [..., N] contiguous, float32."""
+    torch.ops.mlplat.add_rms_norm_(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of ``x`` [T, 2N] = [gate | up], float32."""
+    return torch.ops.mlplat.silu_and_mul(x)
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """RoPE in place on ``x`` [T, heads, D] (rows of D contiguous) with full-width cos and signed sin [T, D]."""
+    torch.ops.mlplat.rotary_(x, cos, sin)

@@ -101,11 +101,31 @@ def _rope_parameters(config: PretrainedConfig) -> dict:
     return {"rope_type": "default", **params}
 
 
+@dataclass
+class RopeTables:
+    """cos and signed sin [T, 1, D] at the step's positions, looked up once per step."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    cpu_kernel: bool = False
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] rotated (HF's half-split convention, same arithmetic as its rotate_half).
+
+        In place where the C++ kernel runs: callers do not read ``x`` again."""
+        if self.cpu_kernel:
+            cpu_kernels.rotary_(x, self.cos, self.sin)
+            return x
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * self.cos + torch.cat((x2, x1), dim=-1) * self.sin
+
+
 class Rotary(nn.Module):
     """Cos/sin tables for every position, from transformers' RoPE init (all rope scalings)."""
 
     def __init__(self, config: PretrainedConfig, max_positions: int):
         super().__init__()
+        self.cpu_kernel = False  # set by the runner where the C++ kernels are loaded (CPU, fp32)
         rope_type = _rope_parameters(config)["rope_type"]
         if rope_type == "default":
             base = _rope_parameters(config).get("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -119,15 +139,9 @@ class Rotary(nn.Module):
         self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)
         self.register_buffer("sin", torch.cat((-sin, sin), dim=-1), persistent=False)
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin [T, 1, D] at ``positions`` [T], looked up once per step."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-
-    @staticmethod
-    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, D] rotated (HF's half-split convention, same arithmetic as its rotate_half)."""
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat((x2, x1), dim=-1) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """The tables at ``positions`` [T]."""
+        return RopeTables(self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype), self.cpu_kernel)
 
 
 class Linear(nn.Linear):
@@ -169,10 +183,32 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.cpu_kernel = False  # set by the runner where the C++ kernels are loaded (CPU, fp32)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x normalized; with ``residual``, the skip connection's add first: (norm(x + residual), x + residual),
+        computed in place in x and residual by the C++ kernel."""
+        if residual is not None:
+            if self.cpu_kernel:
+                cpu_kernels.add_rms_norm_(x, residual, self.weight, self.eps)
+                return x, residual
+            residual = residual + x
+            return self(residual), residual
         if self.cpu_kernel:
             return cpu_kernels.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+class SiluAndMul(nn.Module):
+    """SwiGLU's activation, silu(gate) * up, of the fused gate/up projection's output [T, 2I]."""
+
+    def __init__(self):
+        super().__init__()
+        self.cpu_kernel = False  # set by the runner where the C++ kernels are loaded (CPU, fp32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernel:
+            return cpu_kernels.silu_and_mul(x)
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -234,15 +270,15 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+    def forward(self, x, rope: RopeTables, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
         T, H, KV, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
         v = qkv[:, (H + KV) * D :].view(T, KV, D)
         if self.qk_norm:
-            q = Rotary.rotate(self.q_norm(qkv[:, : H * D].view(T, H, D)), *rope)
-            k = Rotary.rotate(self.k_norm(qkv[:, H * D : (H + KV) * D].view(T, KV, D)), *rope)
+            q = rope.rotate(self.q_norm(qkv[:, : H * D].view(T, H, D)))
+            k = rope.rotate(self.k_norm(qkv[:, H * D : (H + KV) * D].view(T, KV, D)))
         else:  # q and k rotate together: one set of elementwise ops
-            q, k = Rotary.rotate(qkv[:, : (H + KV) * D].view(T, H + KV, D), *rope).split([H, KV], dim=1)
+            q, k = rope.rotate(qkv[:, : (H + KV) * D].view(T, H + KV, D)).split([H, KV], dim=1)
         k_cache, v_cache = kv_cache
         k_cache.view(-1, KV, D).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, KV, D).index_copy_(0, meta.slot_mapping, v)
@@ -256,10 +292,10 @@ class MLP(nn.Module):
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act = SiluAndMul()
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -270,9 +306,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, kv_cache, meta):
+        """(this layer's output, the residual stream it adds to). x is the previous layer's output, or the
+        embeddings with ``residual`` None at the first layer: each skip connection's add goes into the next norm."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rope, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class CausalLM(nn.Module):
@@ -289,11 +332,19 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """Logits [len(logits_indices), V] for the selected positions of the flattened step."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.tables(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, meta)
-        return self.lm_head(self.norm(x[logits_indices]))
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        x, _ = self.norm(x[logits_indices], residual[logits_indices])
+        return self.lm_head(x)
+
+
+def use_cpu_kernels_(model: nn.Module, enabled: bool) -> None:
+    """Run the norms, the activation and RoPE on the C++ kernels (CPU, fp32, built) or on ATen."""
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, SiluAndMul, Rotary)):
+            module.cpu_kernel = enabled
 
 
 def store_linear_weights_input_major_(model: nn.Module) -> None:

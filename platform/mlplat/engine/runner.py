@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -17,10 +18,10 @@ from mlplat.engine.model import (
     AttentionMetadata,
     CausalLM,
     Linear,
-    RMSNorm,
     hf_state_dict_to_engine,
     pack_linear_weights_,
     store_linear_weights_input_major_,
+    use_cpu_kernels_,
 )
 from mlplat.engine.quant import Int8Linear, quantize_int8_
 from mlplat.engine.sequence import Sequence
@@ -41,6 +42,27 @@ def read_safetensors(model_dir: Path) -> Iterable[tuple[str, torch.Tensor]]:
         with safe_open(model_dir / file, framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+HUGE_PAGE = 2 * 2**20
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor on 2 MB pages where the OS gives them (Linux transparent huge pages on request).
+
+    For the KV cache: decode attention reads blocks scattered over all of it, and on 4 KB pages almost
+    every block costs TLB misses. Measured here, 32 decodes of a mixed workload: attention ~10% and
+    the decode step 6-11% faster. Elsewhere (no madvise, THP off) the pages are whatever the OS gives."""
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    buffer = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buffer.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # THP compiled out: 4 KB pages
+            pass
+    raw = torch.frombuffer(buffer, dtype=torch.uint8)  # keeps a reference to the mapping: unmapped with the tensor
+    start = -raw.data_ptr() % HUGE_PAGE  # 2 MB-aligned, so every huge page lies wholly inside the cache
+    return raw[start : start + nbytes].view(dtype).view(shape).zero_()  # touched now: the memory is taken at start, as on a GPU
 
 
 class ModelRunner:
@@ -71,9 +93,11 @@ class ModelRunner:
         block_bytes = c.num_hidden_layers * 2 * cfg.block_size * c.num_key_value_heads * head_dim * self.dtype.itemsize
         self.num_blocks = cfg.num_kv_blocks or max(1, int(cfg.kv_cache_memory_gb * 2**30) // block_bytes)
         # [layers, k/v, blocks, block_size, kv_heads, head_dim], allocated once.
-        self.kv_cache = torch.zeros(
-            c.num_hidden_layers, 2, self.num_blocks, cfg.block_size, c.num_key_value_heads, head_dim, dtype=self.dtype, device=self.device
-        )
+        shape = (c.num_hidden_layers, 2, self.num_blocks, cfg.block_size, c.num_key_value_heads, head_dim)
+        if self.device.type == "cpu":
+            self.kv_cache = zeros_on_huge_pages(shape, self.dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # grown on demand, see AttentionMetadata
         self.use_cpu_kernels = cfg.cpu_kernels and cpu_fp32 and cpu_kernels.load()
@@ -81,9 +105,7 @@ class ModelRunner:
         if self.use_cpu_kernels and not self.decode_kernel:
             log.warning("no CPU attention kernel for head_dim %d with %d query heads per KV head; decodes use gather + SDPA",
                         head_dim, c.num_attention_heads // c.num_key_value_heads)
-        for module in self.model.modules():
-            if isinstance(module, RMSNorm):
-                module.cpu_kernel = self.use_cpu_kernels
+        use_cpu_kernels_(self.model, self.use_cpu_kernels)
 
     @property
     def kv_layout(self) -> dict:
