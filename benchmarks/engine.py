@@ -307,24 +307,22 @@ def main() -> None:
     # c=32 on the mixed workload (the issue's measure): the steps that decode 32 sequences (the steady state;
     # steps with a prefill chunk have other shapes), each against its own FLOPs (its sequences' contexts) at
     # the matmul rate of its round (the mean of the times the rates before and after give). The median round.
-    per_round = []  # (fraction, fraction at the rate before, at the rate after, FLOPs, seconds, steps, mean context)
-    for steps, *rates in c32_rounds:
-        decode32 = [[ctx for _, ctx in ran] for t, ran in steps if len(ran) == 32 and all(n == 1 for n, _ in ran)]
+    per_round = []
+    for steps, before, after in c32_rounds:
+        decode32 = [(t, [ctx for _, ctx in ran]) for t, ran in steps if len(ran) == 32 and all(n == 1 for n, _ in ran)]
         assert decode32, "a c=32 run had no step decoding 32 sequences: give its requests longer outputs"
-        flop = sum(linear_flops32 + attention_flops(contexts) for contexts in decode32)
-        seconds = sum(t for t, ran in steps if len(ran) == 32 and all(n == 1 for n, _ in ran))
-        ideal = sum(flop / rate for rate in rates) / len(rates)
-        per_round.append((ideal / seconds, flop / rates[0] / seconds, flop / rates[1] / seconds, flop, seconds, len(decode32),
-                          sum(map(sum, decode32)) / (32 * len(decode32))))
-    median_round = sorted(per_round)[len(per_round) // 2]
-    c32_fraction, before, after, mixed_flop, mixed_seconds, num_steps, mean_context = median_round
-    report["compute_roofline_fraction_c32"] = c32_fraction
-    report["compute_roofline_fraction_c32_rounds"] = [r[0] for r in per_round]
-    report["compute_roofline_fraction_c32_rate_before_run"] = before
-    report["compute_roofline_fraction_c32_rate_after_run"] = after
+        flop, seconds = sum(linear_flops32 + attention_flops(contexts) for _, contexts in decode32), sum(t for t, _ in decode32)
+        per_round.append(dict(fraction=(flop / before + flop / after) / 2 / seconds, before=flop / before / seconds, after=flop / after / seconds,
+                              flop=flop, seconds=seconds, steps=len(decode32), mean_context=sum(sum(c) for _, c in decode32) / (32 * len(decode32))))
+    median_round = sorted(per_round, key=lambda r: r["fraction"])[len(per_round) // 2]
+    mixed_flop, mixed_seconds, num_steps = median_round["flop"], median_round["seconds"], median_round["steps"]
+    report["compute_roofline_fraction_c32"] = median_round["fraction"]
+    report["compute_roofline_fraction_c32_rounds"] = [r["fraction"] for r in per_round]
+    report["compute_roofline_fraction_c32_rate_before_run"] = median_round["before"]
+    report["compute_roofline_fraction_c32_rate_after_run"] = median_round["after"]
     report["c32_mixed_decode_steps"] = num_steps
-    report["c32_mixed_mean_context"] = mean_context
-    rows.append(("c=32 mixed decode step ms (roofline ms)", 1000 * mixed_seconds / num_steps, 1000 * c32_fraction * mixed_seconds / num_steps))
+    report["c32_mixed_mean_context"] = median_round["mean_context"]
+    rows.append(("c=32 mixed decode step ms (roofline ms)", 1000 * mixed_seconds / num_steps, 1000 * median_round["fraction"] * mixed_seconds / num_steps))
     # Stricter: every sequence at the longest prompt's context (more attention per step).
     t32 = decode_step_time(engine, 32, context, vocab)
     step_flops = linear_flops32 + attention_flops([context] * 32)
@@ -338,7 +336,7 @@ def main() -> None:
     report["compute_roofline_fraction_c32_streamed_weights"] = mixed_flop / streamed / mixed_seconds
     report["matmul_gflop_s_streamed_weights"] = streamed / 1e9
     report["matmul_gflop_s"] = flops / 1e9
-    report["matmul_gflop_s_around_c32_runs"] = [[rate / 1e9 for rate in rates] for _, *rates in c32_rounds]
+    report["matmul_gflop_s_around_c32_runs"] = [[before / 1e9, after / 1e9] for _, before, after in c32_rounds]
 
     prompt_len = scale[1]
     shared = workload(1, (int(prompt_len * 0.9),) * 2, (1, 1), vocab, seed=99)[0][0]
