@@ -16,6 +16,7 @@ from ray.serve.config import RequestRouterConfig
 
 from mlplat.config import validate
 from mlplat.engine import EngineConfig
+from mlplat.serve.admission import admission_limits
 from mlplat.serve.auth import build_gatekeeper
 from mlplat.serve.config import ReplicaConfig, ServeConfig
 from mlplat.serve.ingress import OpenAIIngress
@@ -25,9 +26,11 @@ from mlplat.serve.vllm_backend import build_vllm_app
 from mlplat.tracking import resolve_model
 
 
-def _options(replicas: ReplicaConfig, name: str) -> dict:
+def _options(replicas: ReplicaConfig, name: str, max_ongoing_requests: int, max_queued_requests: int = -1) -> dict:
     return {"name": name, "num_replicas": replicas.num_replicas,
-            "ray_actor_options": {"num_cpus": replicas.num_cpus, "num_gpus": replicas.num_gpus, "resources": replicas.resources}}
+            "ray_actor_options": {"num_cpus": replicas.num_cpus, "num_gpus": replicas.num_gpus, "resources": replicas.resources},
+            "max_ongoing_requests": max_ongoing_requests, "max_queued_requests": max_queued_requests,
+            "health_check_period_s": replicas.health_check_period_s, "health_check_timeout_s": replicas.health_check_timeout_s}
 
 
 def build_app(cfg: ServeConfig) -> Application:
@@ -37,30 +40,34 @@ def build_app(cfg: ServeConfig) -> Application:
     engine_cfg = validate(EngineConfig, {**cfg.engine_args, "model": str(model_dir)}, "engine_args")
     from transformers import AutoConfig
 
-    max_model_len = engine_cfg.max_model_len or AutoConfig.from_pretrained(model_dir, local_files_only=True).max_position_embeddings
+    hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    limits = admission_limits(cfg, engine_cfg)
     common = dict(
         model_dir=str(model_dir),
         model_name=cfg.served_name(model_dir),
         mode=cfg.mode,
         default_max_tokens=cfg.default_max_tokens,
-        max_model_len=max_model_len,
+        max_model_len=engine_cfg.max_model_len or hf_config.max_position_embeddings,
+        vocab_size=hf_config.vocab_size,
+        request_timeout_s=cfg.request_timeout_s,
+        max_sequences_in_flight=limits.ingress_sequences,
         gate=build_gatekeeper(cfg.auth, cfg.ingress.num_replicas),  # holds key hashes only, never keys
     )
     engine_args = engine_cfg.model_dump(mode="json")
-    ingress = OpenAIIngress.options(**_options(cfg.ingress, "ingress"))
+    ingress = OpenAIIngress.options(**_options(cfg.ingress, "ingress", limits.ingress_max_ongoing_requests))
+
+    def engines(replicas: ReplicaConfig, name: str, **options):
+        return EngineServer.options(**_options(replicas, name, limits.engine_max_ongoing_requests, limits.engine_max_queued_requests),
+                                    **options).bind(engine_args)  # fmt: skip
+
     if cfg.mode == "colocated":
-        llm = EngineServer.options(**_options(cfg.colocated, "llm")).bind(engine_args)
-        return ingress.bind(**common, llm=llm)
+        return ingress.bind(**common, llm=engines(cfg.colocated, "llm"))
     prefill_routers = {"prefix_aware": (PrefixAwareRouter, {"block_size": engine_cfg.block_size}), "round_robin": (RoundRobinRouter, {})}
     router_class, router_kwargs = prefill_routers[cfg.prefill_router]
-    prefill = EngineServer.options(
-        **_options(cfg.prefill, "prefill"),
-        request_router_config=RequestRouterConfig(request_router_class=router_class, request_router_kwargs=router_kwargs),
-    ).bind(engine_args)
-    decode = EngineServer.options(
-        **_options(cfg.decode, "decode"),
-        request_router_config=RequestRouterConfig(request_router_class=FreeKVRouter, request_routing_stats_period_s=1.0),
-    ).bind(engine_args)
+    prefill = engines(cfg.prefill, "prefill",
+                      request_router_config=RequestRouterConfig(request_router_class=router_class, request_router_kwargs=router_kwargs))
+    decode = engines(cfg.decode, "decode",
+                     request_router_config=RequestRouterConfig(request_router_class=FreeKVRouter, request_routing_stats_period_s=1.0))
     return ingress.bind(**common, prefill=prefill, decode=decode)
 
 

@@ -586,3 +586,87 @@ def test_kv_cache_lies_on_huge_pages(llama):
     assert huge_kb is not None and huge_kb >= HUGE_PAGE // 1024, f"the KV cache's mapping has {huge_kb} kB on huge pages"
     outs = run_checked(engine, prompt_ids=prompts(2))  # and the engine runs on it
     assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
+
+
+# -- a request's failure is its own ----------------------------------------------------------------
+def test_prompt_token_ids_outside_the_vocabulary_are_refused(llama):
+    engine = engine_for(llama)
+    vocab = engine.vocab_size
+    for bad in ([5, vocab, 6], [-1, 5], [5, 2**40]):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            engine.add_request(bad, GREEDY)
+    payload = engine_for(llama).prefill([5, 6, 7], GREEDY)
+    payload.prompt_token_ids[1] = vocab  # as if from a prefill engine of another model
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_prefilled(payload, GREEDY)
+    assert not engine.requests and engine.block_manager.num_free_blocks == engine.runner.num_blocks
+    assert run_checked(engine, prompt_ids=[[5, 6, 7]])[0].outputs[0].finish_reason == "length"
+
+
+def test_an_imported_request_that_stops_on_its_first_token(llama):
+    # The PD decode side: the prefill's first token is already a stop token, so the request never
+    # enters the scheduler's queues; it must still come out of the next step, or be abortable.
+    prefill, decode = engine_for(llama), engine_for(llama)
+    payload = prefill.prefill([5, 6, 7, 8], GREEDY)
+    stop_at_once = GREEDY.model_copy(update={"stop_token_ids": [payload.first_token]})
+    request_id = decode.add_prefilled(payload, stop_at_once)
+    assert decode.has_unfinished
+    (out,) = decode.step()
+    assert out.request_id == request_id and out.outputs[0].finish_reason == "stop" and out.outputs[0].token_ids == []
+    aborted = decode.add_prefilled(payload, stop_at_once)
+    decode.abort(aborted)  # the client left before the step that would have returned it
+    assert not decode.has_unfinished
+    assert run_checked(decode, prompt_ids=[[5, 6, 7, 9]])[0].outputs[0].finish_reason == "length"
+
+
+def test_a_request_that_fails_in_a_step_fails_alone(llama):
+    batch = prompts(3, seed=20)
+    reference = [o.outputs[0].token_ids for o in run_checked(engine_for(llama), prompt_ids=batch)]
+    engine = engine_for(llama)
+
+    def fault(stage, seq):  # the middle request fails in its fourth decode step
+        if stage == "sample" and seq.token_ids[: seq.num_prompt_tokens] == batch[1] and seq.num_output_tokens == 3:
+            raise RuntimeError("injected fault")
+
+    engine.fault_hook = fault
+    ids = [engine.add_request(p, GREEDY) for p in batch]
+    done = {}
+    while engine.has_unfinished:
+        done |= {o.request_id: o for o in engine.step()}
+        engine.block_manager.check_invariants(engine.live_sequences())
+    assert "injected fault" in str(done[ids[1]].error) and not done[ids[1]].outputs
+    assert [done[ids[0]].outputs[0].token_ids, done[ids[2]].outputs[0].token_ids] == [reference[0], reference[2]]
+    assert engine.block_manager.num_free_blocks == engine.runner.num_blocks and not engine.requests
+
+
+def test_a_row_whose_sampling_fails_fails_its_request_alone(llama, monkeypatch):
+    import mlplat.engine.engine as engine_module
+
+    real_sample = engine_module.sample
+
+    def sample(logits, params, generators):  # one request's parameters break the batched sampler
+        if any(p.seed == 666 for p in params):
+            raise RuntimeError("bad sampling row")
+        return real_sample(logits, params, generators)
+
+    monkeypatch.setattr(engine_module, "sample", sample)
+    batch = prompts(3, seed=21)
+    reference = [o.outputs[0].token_ids for o in run_checked(engine_for(llama), prompt_ids=batch)]
+    engine = engine_for(llama)
+    ids = [engine.add_request(batch[0], GREEDY), engine.add_request(batch[1], GREEDY.model_copy(update={"seed": 666, "n": 2})),
+           engine.add_request(batch[2], GREEDY)]  # fmt: skip
+    done = {}
+    while engine.has_unfinished:
+        done |= {o.request_id: o for o in engine.step()}
+        engine.block_manager.check_invariants(engine.live_sequences())
+    assert "bad sampling row" in str(done[ids[1]].error)
+    assert [done[ids[0]].outputs[0].token_ids, done[ids[2]].outputs[0].token_ids] == [reference[0], reference[2]]
+    assert engine.block_manager.num_free_blocks == engine.runner.num_blocks
+
+
+def test_a_fault_in_the_forward_pass_propagates(llama):
+    engine = engine_for(llama)
+    engine.add_request([5, 6, 7], GREEDY)
+    engine.fault_hook = lambda stage, seq: (_ for _ in ()).throw(RuntimeError("device lost")) if stage == "forward" else None
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step()

@@ -17,17 +17,19 @@ from serve_apps.llm import build_app
 KEY = "test-key-123"
 ENGINE = {"block_size": 16, "num_kv_blocks": 64, "max_num_seqs": 4, "max_waiting": 4}
 SMALL = {"num_cpus": 0.2}
+ENGINES = {**SMALL, "health_check_period_s": 1.0}  # a replica whose engine stopped is replaced within seconds
+TIMEOUT_S = 10.0  # the colocated app's request_timeout_s
 
 
 @pytest.fixture(scope="module")
 def apps(ray_cluster, tiny_model, monkeypatch_module):
     monkeypatch_module.setenv("MLPLAT_API_KEYS", "")
     pd = build_app(ServeConfig(model=str(tiny_model), model_name="tiny", mode="pd", engine_args=ENGINE,
-                               prefill=SMALL, decode=SMALL, ingress=SMALL, app_name="pd", route_prefix="/pd"))
+                               prefill=ENGINES, decode=ENGINES, ingress=SMALL, app_name="pd", route_prefix="/pd"))
     serve.run(pd, name="pd", route_prefix="/pd")
     monkeypatch_module.setenv("MLPLAT_API_KEYS", f"other,{KEY}")
-    colo = build_app(ServeConfig(model=str(tiny_model), model_name="tiny", mode="colocated", engine_args=ENGINE,
-                                 colocated=SMALL, ingress=SMALL, app_name="colo", route_prefix="/colo"))
+    colo = build_app(ServeConfig(model=str(tiny_model), model_name="tiny", mode="colocated", engine_args=ENGINE, request_timeout_s=TIMEOUT_S,
+                                 colocated=ENGINES, ingress=SMALL, app_name="colo", route_prefix="/colo"))
     serve.run(colo, name="colo", route_prefix="/colo")
     yield {"pd": "http://127.0.0.1:8000/pd/v1", "colo": "http://127.0.0.1:8000/colo/v1"}
     serve.delete("pd")
@@ -93,7 +95,6 @@ def test_chat_streaming_logprobs_and_stop(apps):
 @pytest.mark.parametrize(
     "body, param",
     [
-        ({"model": "nope", "prompt": "hi"}, "model"),
         ({"model": "tiny", "prompt": "hi", "max_tokens": 0}, "max_tokens"),
         ({"model": "tiny", "prompt": "hi", "max_tokens": 100_000}, "max_tokens"),
         ({"model": "tiny", "prompt": "hi " * 400, "max_tokens": 4}, "prompt"),
@@ -132,7 +133,7 @@ def test_api_keys(apps):
     assert body["error"]["code"] == "invalid_api_key" and KEY not in str(body)
 
 
-def test_overload_is_429_and_nothing_leaks(apps):
+def test_overload_is_503_with_retry_after_and_nothing_leaks(apps):
     import asyncio
 
     async def fire(n):
@@ -142,8 +143,10 @@ def test_overload_is_429_and_nothing_leaks(apps):
 
     responses = asyncio.run(fire(24))
     codes = [r.status_code for r in responses]
-    assert set(codes) <= {200, 429} and 429 in codes and 200 in codes, codes
-    assert all(r.headers.get("retry-after") for r in responses if r.status_code == 429)
+    assert set(codes) <= {200, 503} and 503 in codes and 200 in codes, codes
+    for r in responses:  # the ingress's own OpenAI error, not Serve's plain-text rejection; 429 is a tenant's rate limit
+        if r.status_code == 503:
+            assert r.headers.get("retry-after") and r.json()["error"]["code"] == "overloaded", r.text
     assert_idle(apps)
 
 
@@ -159,13 +162,21 @@ def assert_idle(apps, timeout=30):
 
 
 def test_client_disconnect_aborts_and_frees_blocks(apps):
-    body = {"model": "tiny", "prompt": "What is", "max_tokens": 200, "temperature": 0, "stream": True}
-    with httpx.stream("POST", f"{apps['pd']}/completions", json=body, timeout=60) as r:
-        lines = r.iter_lines()
-        assert next(lines).startswith("data: ")
-        decode = serve.get_deployment_handle("decode", app_name="pd").stats.remote().result()
-        assert decode["running"] == 1  # mid-stream
-    stats = assert_idle(apps)
+    # Counted in engine steps, not seconds: with 20 ms steps the 200 tokens would take 200 more steps
+    # (4 s); the abort must arrive within a few steps of the disconnect.
+    decode = serve.get_deployment_handle("decode", app_name="pd")
+    decode.set_fault_hook.remote(lambda stage, seq: time.sleep(0.02) if stage == "forward" else None).result()
+    try:
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 200, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{apps['pd']}/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            mid = decode.stats.remote().result()
+            assert mid["running"] == 1  # mid-stream
+        stats = assert_idle(apps)
+    finally:
+        decode.set_fault_hook.remote(None).result()
+    assert stats[1]["steps"] - mid["steps"] < 50, (mid["steps"], stats[1]["steps"])
     handoffs = stats[1]["handoffs"]
     assert handoffs["count"] > 0 and handoffs["bytes"] > 0 and handoffs["import_failures"] == 0
 
@@ -183,7 +194,7 @@ def test_incompatible_kv_payload_is_recomputed_on_decode(apps, tiny_model):
     assert decode.stats.remote().result()["handoffs"]["import_failures"] == before + 1
 
 
-def test_hundreds_of_concurrent_streams_end_in_200_or_429_and_free_every_block(apps):
+def test_hundreds_of_concurrent_streams_end_in_200_or_503_and_free_every_block(apps):
     import asyncio
 
     async def stream(http: httpx.AsyncClient, i: int) -> tuple[int, list[str]]:
@@ -198,24 +209,155 @@ def test_hundreds_of_concurrent_streams_end_in_200_or_429_and_free_every_block(a
 
     results = asyncio.run(fire(300))
     codes = [code for code, _ in results]
-    assert set(codes) <= {200, 429} and codes.count(200) >= ENGINE["max_num_seqs"], sorted(set(codes))
+    assert set(codes) <= {200, 503} and codes.count(200) >= ENGINE["max_num_seqs"], sorted(set(codes))
     for code, lines in results:
         if code == 200:  # every accepted stream ran to its end: chunks, then [DONE]
             assert lines[-1] == "data: [DONE]" and len(lines) >= 2 and "error" not in "".join(lines), lines[-3:]
     assert_idle(apps)
 
 
+def openai_error(r: httpx.Response, status: int, code: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["type"] == ("invalid_request_error" if status < 500 else "server_error"), error
+    assert code is None or error["code"] == code, error
+    return error
+
+
+def test_unknown_model_and_route_are_404_and_health_is_200(apps):
+    for mode in ("pd", "colo"):
+        headers = {"Authorization": f"Bearer {KEY}"}
+        openai_error(httpx.post(f"{apps[mode]}/completions", json={"model": "nope", "prompt": "hi"}, headers=headers, timeout=60),
+                     404, "model_not_found")  # fmt: skip
+        openai_error(httpx.post(f"{apps[mode]}/embeddings", json={"model": "tiny", "input": "hi"}, headers=headers, timeout=60), 404)
+        openai_error(httpx.get(f"{apps[mode]}/completions", headers=headers, timeout=60), 405)
+        root = apps[mode].removesuffix("/v1")
+        assert httpx.get(f"{root}/health", timeout=60).json() == {"status": "ok"}
+    with pytest.raises(openai.NotFoundError):
+        client(apps, "pd").completions.create(model="nope", prompt="hi")
+
+
+def test_prompt_token_ids_outside_the_vocabulary_are_400_and_the_replica_lives_on(apps, tiny_model):
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(tiny_model).vocab_size
+    for mode in ("pd", "colo"):
+        for bad in ([5, vocab, 6], [-1, 5]):
+            r = httpx.post(f"{apps[mode]}/completions", json={"model": "tiny", "prompt": bad, "max_tokens": 4},
+                           headers={"Authorization": f"Bearer {KEY}"}, timeout=60)  # fmt: skip
+            assert "vocabulary" in openai_error(r, 400, "invalid_token_id")["message"]
+        assert client(apps, mode).completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4, temperature=0).choices[0].text is not None
+
+
+def test_pd_request_whose_first_token_is_a_stop_token(apps):
+    # The decode replica imports a prompt whose first token (sampled on prefill) already stops it.
+    prefill = serve.get_deployment_handle("prefill", app_name="pd")
+    decode = serve.get_deployment_handle("decode", app_name="pd")
+    params = SamplingParams(temperature=0, max_tokens=12)
+    payload = prefill.prefill.remote([5, 6, 7, 8], params.model_dump()).result()
+    stop = params.model_copy(update={"stop_token_ids": [payload.first_token]}).model_dump()
+    for i in range(3):
+        deltas = list(decode.options(stream=True).generate_prefilled.remote(payload, stop, f"first-token-stop-{i}"))
+        assert [(d["token_ids"], d["finish_reason"], d["text"]) for d in deltas] == [([], "stop", "")]
+    reply = client(apps, "pd").completions.create(model="tiny", prompt="What is", max_tokens=6, temperature=0)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert_idle(apps)
+
+
+def test_a_failing_request_is_500_and_the_next_one_succeeds(apps):
+    def fault(stage, seq):  # a request whose prompt holds token 99 fails in its third decode step
+        if stage == "sample" and 99 in seq.token_ids[: seq.num_prompt_tokens] and seq.num_output_tokens == 2:
+            raise RuntimeError("injected request fault")
+
+    handles = {"pd": serve.get_deployment_handle("decode", app_name="pd"), "colo": serve.get_deployment_handle("llm", app_name="colo")}
+    for handle in handles.values():
+        handle.set_fault_hook.remote(fault).result()
+    try:
+        for mode in ("pd", "colo"):
+            c = client(apps, mode)
+            with pytest.raises(openai.InternalServerError, match="injected request fault"):
+                c.completions.create(model="tiny", prompt=[5, 99, 7], max_tokens=20, temperature=0)
+            assert c.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=20, temperature=0).choices[0].finish_reason
+        # Streaming: a token was already sent, so the failure arrives in-band, then [DONE].
+        body = {"model": "tiny", "prompt": [5, 99, 7], "max_tokens": 20, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{apps['colo']}/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert r.status_code == 200 and lines[-1] == "data: [DONE]" and '"code": "request_failed"' in lines[-2], lines
+    finally:
+        for handle in handles.values():
+            handle.set_fault_hook.remote(None).result()
+    assert_idle(apps)
+
+
+def test_a_request_past_its_deadline_is_504_and_frees_its_blocks(apps):
+    import asyncio
+
+    llm = serve.get_deployment_handle("llm", app_name="colo")
+    llm.set_fault_hook.remote(lambda stage, seq: time.sleep(0.2) if stage == "forward" else None).result()  # 200 tokens: 40 s
+
+    async def both():
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 200, "temperature": 0}
+        async with httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as http:
+            async def stream():
+                async with http.stream("POST", f"{apps['colo']}/completions", json={**body, "stream": True}) as r:
+                    return r.status_code, [line async for line in r.aiter_lines() if line]
+            return await asyncio.gather(http.post(f"{apps['colo']}/completions", json=body), stream())
+
+    started = time.time()
+    try:
+        whole, (status, lines) = asyncio.run(both())
+        elapsed = time.time() - started
+        stats = llm.stats.remote().result()
+    finally:
+        llm.set_fault_hook.remote(None).result()
+    openai_error(whole, 504, "timeout")
+    assert status == 200 and lines[-1] == "data: [DONE]" and '"code": "timeout"' in lines[-2], lines[-3:]
+    assert elapsed < TIMEOUT_S + 5 and stats["running"] == 0 and stats["free_kv_blocks"] == ENGINE["num_kv_blocks"], (elapsed, stats)
+
+
+def test_an_engine_fault_is_503_at_once_and_serve_replaces_the_replica(apps):
+    llm = serve.get_deployment_handle("llm", app_name="colo")
+    (victim,) = replicas("colo", "llm")
+    llm.set_fault_hook.remote(lambda stage, seq: time.sleep(0.05) if stage == "forward" else None).result()
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 200, "temperature": 0}
+    with httpx.stream("POST", f"{apps['colo']}/completions", json={**body, "stream": True}, headers=headers, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+
+        def fault(stage, seq):
+            if stage == "forward":
+                raise RuntimeError("injected engine fault")
+
+        llm.set_fault_hook.remote(fault).result()
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]" and '"code": "engine_unavailable"' in rest[-2], rest[-3:]
+    r = httpx.post(f"{apps['colo']}/completions", json=body, headers=headers, timeout=60)
+    assert openai_error(r, 503, "engine_unavailable") and r.headers.get("retry-after")
+    deadline = time.time() + 120
+    while victim in replicas("colo", "llm") or serve.status().applications["colo"].deployments["llm"].status != "HEALTHY":
+        assert time.time() < deadline, "Serve did not replace the replica whose engine stopped in 120 s"
+        time.sleep(0.5)
+    assert client(apps, "colo").completions.create(model="tiny", prompt="What is", max_tokens=6, temperature=0).choices[0].text is not None
+    assert httpx.get(f"{apps['colo'].removesuffix('/v1')}/health", timeout=60).status_code == 200
+
+
+def replicas(app: str, deployment: str) -> list[str]:
+    """Live replica actors (named SERVE_REPLICA::app#deployment#id), from the GCS."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+
+
 def test_a_killed_decode_replica_is_replaced_and_new_requests_succeed(apps):
     # Last in this module: the PD app loses its only decode replica.
     import ray
 
-    def decode_replicas() -> list[str]:  # live replica actors (named SERVE_REPLICA::app#deployment#id), from the GCS
-        return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("SERVE_REPLICA::pd#decode#")]
-
-    (victim,) = decode_replicas()
+    (victim,) = replicas("pd", "decode")
     ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
     deadline = time.time() + 120
-    while not ((replicas := decode_replicas()) and victim not in replicas
+    while not ((live := replicas("pd", "decode")) and victim not in live
                and serve.status().applications["pd"].deployments["decode"].status == "HEALTHY"):
         assert time.time() < deadline, "Serve did not replace the killed decode replica in 120 s"
         time.sleep(1)
@@ -224,3 +366,30 @@ def test_a_killed_decode_replica_is_replaced_and_new_requests_succeed(apps):
         text = "".join(c.choices[0].text for c in reply) if stream else reply.choices[0].text
         assert text
     assert_idle(apps)
+
+
+def test_mlplat_serve_stops_on_ctrl_c_while_deploying(ray_cluster, tiny_model):
+    # Against the session's cluster (--address), so no second Ray starts; SIGINT as soon as it deploys.
+    import os
+    import signal
+    import subprocess
+
+    import ray
+
+    from conftest import MLPLAT
+
+    command = [MLPLAT, "serve", "--address", ray.get_runtime_context().gcs_address, "--set", f"model={tiny_model}",
+               "--set", "mode=colocated", "--set", "app_name=ctrl-c", "--set", "route_prefix=/ctrl-c"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("deploying"):
+                process.send_signal(signal.SIGINT)
+                break
+        assert process.wait(timeout=60) == 130, "".join(lines[-20:] + [process.stdout.read()])
+    finally:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
+    assert "ctrl-c" not in serve.status().applications

@@ -123,11 +123,7 @@ def _run(args: argparse.Namespace) -> None:
             init_ray(args.address, cfg.num_workers)
         print(getattr(recipe, run)(cfg).model_dump_json(indent=2))
     elif args.command == "serve":
-        import time
-
-        from mlplat.runtime import init_ray
         from mlplat.serve.config import ServeConfig
-        from serve_apps.llm import run as run_app
 
         cfg = load_config(ServeConfig, args.config, args.overrides)
         if args.print_config:
@@ -135,15 +131,7 @@ def _run(args: argparse.Namespace) -> None:
 
             print(serve_config_yaml(cfg), end="")
             return
-        init_ray(args.address, num_training_workers=0)
-        print(f"OpenAI API at {run_app(cfg)} (Ctrl-C to stop)", flush=True)
-        try:
-            while True:
-                time.sleep(3600)
-        except KeyboardInterrupt:
-            from ray import serve
-
-            serve.delete(cfg.app_name)
+        _serve(cfg, args.address)
     elif args.command == "eval":
         from mlplat.evaluation import evaluate_exact_match
         from mlplat.tracking import resolve_model
@@ -166,6 +154,42 @@ def _run(args: argparse.Namespace) -> None:
         from mlplat.observability.cli import run_command as run_observability_command
 
         run_observability_command(args)
+
+
+def _serve(cfg, address: str | None) -> None:
+    """Deploy and wait; Ctrl-C stops it in every state, deploying included."""
+    import time
+
+    import ray
+
+    from mlplat.runtime import init_ray
+    from mlplat.serve.config import fit_to_cluster
+    from serve_apps.llm import run as run_app
+
+    init_ray(address, num_training_workers=0)
+    try:
+        resources = ray.cluster_resources()
+        try:
+            cfg, note = fit_to_cluster(cfg, resources.get("CPU", 0.0), resources.get("GPU", 0.0))
+        except ValueError as err:
+            raise MlplatError(str(err)) from None
+        if note:
+            print(f"mlplat serve: {note}", flush=True)
+        print("deploying (Ctrl-C to stop) ...", flush=True)
+        print(f"OpenAI API at {run_app(cfg)} (Ctrl-C to stop)", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("stopping ...", file=sys.stderr, flush=True)
+        from ray import serve
+
+        try:
+            serve.delete(cfg.app_name)
+        except Exception:  # noqa: BLE001  (interrupted before Serve started: nothing to delete)
+            pass
+        raise SystemExit(130) from None  # the shell's code for "stopped by Ctrl-C"
+    finally:
+        ray.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,8 +5,8 @@ model (Llama family over paged attention), runner (weights + KV cache), engine.
 """
 
 from mlplat.engine.config import EngineConfig
-from mlplat.engine.engine import CompletionOutput, LLMEngine, RequestOutput
+from mlplat.engine.engine import CompletionOutput, LLMEngine, RequestFailedError, RequestOutput
 from mlplat.engine.sampling import SamplingParams
 from mlplat.engine.scheduler import QueueFullError
 
-__all__ = ["CompletionOutput", "EngineConfig", "LLMEngine", "QueueFullError", "RequestOutput", "SamplingParams"]
+__all__ = ["CompletionOutput", "EngineConfig", "LLMEngine", "QueueFullError", "RequestFailedError", "RequestOutput", "SamplingParams"]

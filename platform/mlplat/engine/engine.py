@@ -10,7 +10,7 @@ append, finish. Serving and RL rollouts drive it; ``generate`` is the offline he
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -25,6 +25,17 @@ from mlplat.engine.scheduler import QueueFullError, Scheduler
 from mlplat.engine.sequence import Sequence, Status
 from mlplat.engine.spec_decode import DraftModelDrafter, NgramDrafter, verify
 from mlplat.models.checkpoint import load_tokenizer
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed inside a step (e.g. in its sampling): the engine dropped it, freed its
+    blocks and went on; the other requests in the batch are unaffected."""
+
+
+# A test hook: called with ("forward", None) before each step's forward pass and ("sample", seq) for
+# each sequence after it. What it raises at "sample" fails that request alone (RequestFailedError);
+# at "forward" it propagates out of step(), as an engine fault would.
+FaultHook = Callable[[str, "Sequence | None"], None]
 
 
 @dataclass
@@ -45,6 +56,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    error: RequestFailedError | None = None  # set when the request failed inside a step (outputs empty)
 
 
 class LLMEngine:
@@ -57,9 +69,11 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}
         self.eos_token_ids = {self.tokenizer.eos_token_id} | set(self._generation_eos())
         self._request_ids = count()
-        self._finished_early: list[str] = []
+        self._finished_early: list[str] = []  # imported requests that stopped on their first token
         self.drafter = self._build_drafter(cfg)
         self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.num_steps = 0
+        self.fault_hook: FaultHook | None = None
 
     def _build_drafter(self, cfg: EngineConfig):
         spec = cfg.speculative
@@ -88,14 +102,7 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._request_ids)}"
         assert request_id not in self.requests, f"duplicate request id {request_id}"
         token_ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        limit = min(self.runner.max_model_len, self.runner.num_blocks * self.cfg.block_size)
-        if len(token_ids) + params.max_tokens > limit:
-            raise ValueError(
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
-                f"context of {limit} tokens (max_model_len, or what the KV cache can hold)"
-            )
+        self.check_prompt(token_ids, params.max_tokens)
         seqs = [Sequence(request_id, token_ids, params, i) for i in range(params.n)]
         for seq in seqs:
             if params.seed is not None:
@@ -105,49 +112,120 @@ class LLMEngine:
         self.requests[request_id] = seqs
         return request_id
 
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.hf_config.vocab_size
+
+    @property
+    def max_context(self) -> int:
+        """Prompt + output tokens one sequence may hold: max_model_len, or what the KV cache holds."""
+        return min(self.runner.max_model_len, self.runner.num_blocks * self.cfg.block_size)
+
+    def check_prompt(self, token_ids: list[int], max_tokens: int) -> None:
+        """ValueError for a prompt this engine cannot run; nothing invalid reaches a forward pass."""
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        bad = next((t for t in token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        if len(token_ids) + max_tokens > self.max_context:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                f"context of {self.max_context} tokens (max_model_len, or what the KV cache can hold)"
+            )
+
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
         self.requests.pop(request_id, None)
+        if request_id in self._finished_early:
+            self._finished_early.remove(request_id)
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self._finished_early)
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One forward over the scheduled batch; returns outputs of requests that finished."""
+        """One forward over the scheduled batch; returns outputs of requests that finished or failed.
+
+        A failure in one sequence's sampling or post-processing fails its request alone (an output
+        with ``error``); anything raised by scheduling or the forward pass propagates: the engine
+        state is then not to be trusted."""
+        self.num_steps += 1
         early, self._finished_early = self._finished_early, []
         batch = self.scheduler.schedule()
         if not batch:
             return [self._pop_output(r) for r in early]
         drafts = self._propose(batch)
+        if self.fault_hook:
+            self.fault_hook("forward", None)
         logits = self.runner.run([(s, n + len(d)) for (s, n), d in zip(batch, drafts)], [len(d) + 1 for d in drafts])
         rows = logits.split([len(d) + 1 for d in drafts])
-        plain = [i for i, d in enumerate(drafts) if not d]
-        sampled = {}
-        if plain:
-            tokens, logprobs = sample(torch.stack([rows[i][-1] for i in plain]), [batch[i][0].params for i in plain], [batch[i][0].generator for i in plain])
-            sampled = {i: [(t, lp)] for i, t, lp in zip(plain, tokens.tolist(), logprobs.tolist())}
+        failed: dict[str, BaseException] = {}
+        sampled = self._sample_plain(batch, drafts, rows, failed)
         finished_requests = set()
         for i, ((seq, n), d) in enumerate(zip(batch, drafts)):
-            seq.num_computed_tokens += n
-            if d:
-                del seq.token_ids[len(seq) - len(d) :]  # drafts join the sequence only once verified
-                sampled[i] = self._verified(seq, rows[i], d)
-            self.block_manager.cache_full_blocks(seq)  # before a finish frees the blocks
-            if seq.num_computed_tokens < len(seq):
-                continue  # a prefill chunk: nothing to sample yet
-            for j, (token, logprob) in enumerate(sampled[i]):
-                if j > 0:
-                    seq.num_computed_tokens += 1  # the accepted draft before this token is in the cache
-                self._append(seq, token, logprob)
-                if seq.is_finished:
-                    break
-            if len(sampled[i]) > 1 and not seq.is_finished:
-                self.block_manager.cache_full_blocks(seq)  # blocks completed by accepted drafts
+            if seq.request_id in failed:
+                continue
+            try:
+                if self.fault_hook:
+                    self.fault_hook("sample", seq)
+                self._advance(seq, n, d, rows[i], sampled.get(i))
+            except Exception as err:  # noqa: BLE001  (this request's failure, not the engine's)
+                failed[seq.request_id] = err
+                continue
             if seq.is_finished and all(s.is_finished for s in self.requests[seq.request_id]):
                 finished_requests.add(seq.request_id)
-        return [self._pop_output(r) for r in [*early, *finished_requests]]
+        outputs = [self._pop_output(r) for r in [*early, *(finished_requests - failed.keys())]]
+        return outputs + [self._fail(r, err) for r, err in failed.items()]
+
+    def _sample_plain(self, batch, drafts, rows, failed: dict) -> dict[int, list[tuple[int, float]]]:
+        """Sample the rows without drafts, batched; if the batch fails, row by row, failing only the
+        requests whose own row fails."""
+        plain = [i for i, d in enumerate(drafts) if not d]
+        if not plain:
+            return {}
+        try:
+            return self._sample_rows(batch, rows, plain)
+        except Exception:  # noqa: BLE001  (find the culprit: one row's parameters, not the batch)
+            sampled = {}
+            for i in plain:
+                try:
+                    sampled |= self._sample_rows(batch, rows, [i])
+                except Exception as err:  # noqa: BLE001
+                    failed[batch[i][0].request_id] = err
+            return sampled
+
+    @staticmethod
+    def _sample_rows(batch, rows, index: list[int]) -> dict[int, list[tuple[int, float]]]:
+        tokens, logprobs = sample(torch.stack([rows[i][-1] for i in index]), [batch[i][0].params for i in index], [batch[i][0].generator for i in index])
+        return {i: [(t, lp)] for i, t, lp in zip(index, tokens.tolist(), logprobs.tolist())}
+
+    def _advance(self, seq: Sequence, n: int, drafts: list[int], rows: torch.Tensor, emitted: list[tuple[int, float]] | None) -> None:
+        """Account one sequence's step: its computed tokens, then its new token(s) (``emitted``, the
+        plain sample; verified drafts instead where it had drafts) unless it is mid-prefill."""
+        seq.num_computed_tokens += n
+        if drafts:
+            del seq.token_ids[len(seq) - len(drafts) :]  # drafts join the sequence only once verified
+            emitted = self._verified(seq, rows, drafts)
+        self.block_manager.cache_full_blocks(seq)  # before a finish frees the blocks
+        if seq.num_computed_tokens < len(seq):
+            return  # a prefill chunk: nothing to sample yet
+        for j, (token, logprob) in enumerate(emitted):
+            if j > 0:
+                seq.num_computed_tokens += 1  # the accepted draft before this token is in the cache
+            self._append(seq, token, logprob)
+            if seq.is_finished:
+                break
+        if len(emitted) > 1 and not seq.is_finished:
+            self.block_manager.cache_full_blocks(seq)  # blocks completed by accepted drafts
+
+    def _fail(self, request_id: str, err: BaseException) -> RequestOutput:
+        seqs = self.requests.get(request_id) or []
+        prompt = seqs[0].token_ids[: seqs[0].num_prompt_tokens] if seqs else []
+        self.abort(request_id)  # frees every block of every sample
+        error = err if isinstance(err, RequestFailedError) else RequestFailedError(f"{type(err).__name__}: {err}")
+        return RequestOutput(request_id, prompt, finished=True, error=error)
 
     # -- speculative decoding ---------------------------------------------------------------
     def _propose(self, batch: list[tuple[Sequence, int]]) -> list[list[int]]:
@@ -266,7 +344,9 @@ class LLMEngine:
         seq = self.requests[request_id][0]
         seq.export_kv = True
         while not seq.is_finished:
-            self.step()
+            failed = [out.error for out in self.step() if out.error is not None and out.request_id == request_id]
+            if failed:
+                raise failed[0]
         self.requests.pop(request_id, None)
         n = seq.num_prompt_tokens
         rng_state = seq.generator.get_state() if seq.generator is not None else None
@@ -277,6 +357,7 @@ class LLMEngine:
 
         It waits in the queue holding its KV blocks, and decodes from its first token on."""
         payload.check_compatible(self.runner.kv_layout)
+        self.check_prompt(payload.prompt_token_ids + [payload.first_token], params.max_tokens - 1)
         if params.n != 1:
             raise ValueError("a prefilled request carries one sample (n=1)")
         if len(self.scheduler.waiting) >= self.scheduler.max_waiting:

@@ -67,7 +67,8 @@ SERVE = ("model",)
 SERVE_REQUESTS = Metric("mlplat_serve_requests", "counter", "requests", "requests answered, by HTTP status", (*SERVE, "status"))
 SERVE_REJECTIONS = Metric(
     "mlplat_serve_rejections", "counter", "requests",
-    "requests refused, by reason: invalid_request, context_length, unauthorized, rate_limited, overloaded, internal_error",
+    "requests refused or failed, by reason: invalid_request, not_found, context_length, unauthorized, rate_limited, "
+    "overloaded, unavailable, timeout, internal_error",
     (*SERVE, "reason"),
 )  # fmt: skip
 SERVE_TTFT = Metric(

@@ -43,8 +43,14 @@ def rejection_reason(status: int, code: str | None) -> str:
         return "unauthorized"
     if status == 429:
         return "rate_limited"
+    if status == 404:
+        return "not_found"
     if code == "context_length_exceeded":
         return "context_length"
+    if status == 504:
+        return "timeout"
+    if status == 503:
+        return "unavailable"
     if status >= 500:
         return "internal_error"
     return "invalid_request"

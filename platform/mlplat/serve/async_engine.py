@@ -4,6 +4,13 @@ One thread owns the engine and runs its loop: it drains an inbox of adds and abo
 steps, and pushes each request's new tokens to that request's asyncio queue. The
 event loop never blocks on a forward pass, and the engine is only ever touched by
 its own thread (no locks around model state).
+
+Failures: a request's own failure (bad input at admission, an error in its sampling) ends
+that request alone. Anything else that escapes the loop is fatal: the loop stops, every
+request in flight and every later one gets ``EngineDeadError`` at once (never a hang), and
+``alive`` turns False so that the replica's health check fails and Serve replaces it.
+Every request may carry a deadline (wall-clock seconds); past it the loop aborts the
+request, freeing its blocks, and its stream raises ``DeadlineExceededError``.
 """
 
 from __future__ import annotations
@@ -17,8 +24,24 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from mlplat.engine import EngineConfig, LLMEngine, SamplingParams
+from mlplat.engine import EngineConfig, LLMEngine, QueueFullError, RequestFailedError, SamplingParams
+from mlplat.engine.engine import FaultHook
 from mlplat.engine.kv_transfer import KVPayload
+
+log = logging.getLogger("mlplat.serve")
+
+
+# What an op may raise for one request (bad input, overload, its own failure in a step); anything
+# else escaping an op or a step stops the loop.
+REQUEST_ERRORS = (ValueError, QueueFullError, RequestFailedError)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped on a fault that was not one request's: retry on another replica."""
+
+
+class DeadlineExceededError(TimeoutError):
+    """The request ran past its deadline and was aborted."""
 
 
 @dataclass
@@ -36,6 +59,7 @@ class Delta:
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    deadline: float | None = None  # time.time() past which the request is aborted
     delivered: dict[int, int] = field(default_factory=dict)  # sample index -> tokens sent
 
 
@@ -47,18 +71,24 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        self.dead_reason: str | None = None  # set once, when the loop stops on a fault
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        return self.dead_reason is None and self._thread.is_alive()
+
     # -- asyncio side -----------------------------------------------------------------------
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[Delta]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str, deadline: float | None = None) -> AsyncIterator[Delta]:
         """Stream deltas of every sample; cancelling the consumer aborts the request."""
-        async for delta in self._stream(("add", prompt_ids, params, request_id), request_id):
+        async for delta in self._stream(("add", prompt_ids, params, request_id), request_id, deadline):
             yield delta
 
-    async def generate_prefilled(self, payload: KVPayload, params: SamplingParams, request_id: str) -> AsyncIterator[Delta]:
+    async def generate_prefilled(self, payload: KVPayload, params: SamplingParams, request_id: str,
+                                 deadline: float | None = None) -> AsyncIterator[Delta]:  # fmt: skip
         """Decode a request whose prompt KV and first token come from a prefill server."""
-        async for delta in self._stream(("add_prefilled", payload, params, request_id), request_id):
+        async for delta in self._stream(("add_prefilled", payload, params, request_id), request_id, deadline):
             yield delta
 
     async def prefill(self, prompt_ids: list[int], params: SamplingParams) -> KVPayload:
@@ -67,8 +97,12 @@ class AsyncEngine:
     async def stats(self) -> dict:
         return await self._call("stats")
 
-    async def _stream(self, add: tuple, request_id: str) -> AsyncIterator[Delta]:
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+    async def set_fault_hook(self, hook: FaultHook | None) -> None:
+        """Tests only: see ``mlplat.engine.engine.FaultHook``."""
+        await self._call("fault_hook", hook)
+
+    async def _stream(self, add: tuple, request_id: str, deadline: float | None) -> AsyncIterator[Delta]:
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), deadline)
         self._streams[request_id] = stream
         n, finished = add[2].n, set()
         try:
@@ -92,10 +126,22 @@ class AsyncEngine:
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put((future, op, args))
         self._wake.set()
+        if self.dead_reason is not None:  # nobody is left to run it
+            self._fail_inbox()
         return future
 
     # -- engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as err:  # noqa: BLE001  (not one request's: the engine's state is suspect)
+            log.exception("the engine loop stopped; failing every request and the health check")
+            self.dead_reason = f"the engine failed ({type(err).__name__}: {err}); retry on another replica"
+            for stream in list(self._streams.values()):
+                self._deliver(stream, EngineDeadError(self.dead_reason))
+            self._fail_inbox()
+
+    def _loop(self) -> None:
         engine = self.engine
         while True:
             if not engine.has_unfinished and self._inbox.empty():
@@ -106,15 +152,41 @@ class AsyncEngine:
                 try:
                     self.on_stats(self._apply("stats"))
                 except Exception:  # a metrics hiccup must not stop the engine
-                    logging.getLogger("mlplat.serve").exception("engine stats callback failed")
+                    log.exception("engine stats callback failed")
             while not self._inbox.empty():
                 future, op, args = self._inbox.get()
                 try:
                     future.set_result(self._apply(op, *args))
-                except BaseException as err:  # handed to the awaiting coroutine
+                except REQUEST_ERRORS as err:  # the request's own: handed to the awaiting coroutine
                     future.set_exception(err)
+                except BaseException:
+                    self._inbox.put((future, op, args))  # failed with the others by _run
+                    raise
+            self._expire_deadlines()
             if engine.has_unfinished:
                 self._publish(engine.step())
+
+    def _fail_inbox(self) -> None:
+        while True:
+            try:
+                future, _, _ = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineDeadError(self.dead_reason))
+
+    def _expire_deadlines(self) -> None:
+        now = time.time()
+        for request_id, stream in list(self._streams.items()):
+            if stream.deadline is not None and now > stream.deadline and request_id in self.engine.requests:
+                self.engine.abort(request_id)
+                self._deliver(stream, DeadlineExceededError(f"request {request_id} ran past its deadline and was aborted"))
+
+    def _deliver(self, stream: _Stream, item) -> None:
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's event loop has closed: nobody is listening
+            pass
 
     def _apply(self, op: str, *args):
         engine = self.engine
@@ -130,6 +202,9 @@ class AsyncEngine:
             return engine.prefill(*args)
         if op == "abort":
             return engine.abort(*args)
+        if op == "fault_hook":
+            engine.fault_hook = args[0]
+            return None
         if op == "stats":
             bm = engine.block_manager
             return {
@@ -140,6 +215,7 @@ class AsyncEngine:
                 "waiting": len(engine.scheduler.waiting),
                 "running": len(engine.scheduler.running),
                 "spec_acceptance": engine.spec_acceptance_rate,
+                "steps": engine.num_steps,
             }
         raise ValueError(f"unknown op {op}")
 
@@ -148,10 +224,12 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
+            if out.error is not None:
+                self._deliver(stream, out.error)
+                continue
             for o in out.outputs:
                 sent = stream.delivered.get(o.index, 0)
-                delta = Delta(o.index, o.token_ids[sent:], (o.logprobs or [])[sent:], o.finish_reason, o.text)
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
+                self._deliver(stream, Delta(o.index, o.token_ids[sent:], (o.logprobs or [])[sent:], o.finish_reason, o.text))
         for request_id, seqs in self.engine.requests.items():
             stream = self._streams.get(request_id)
             if stream is None:
@@ -164,5 +242,4 @@ class AsyncEngine:
                 upto = seq.num_output_tokens - 1
                 if upto > sent:
                     stream.delivered[seq.sample_index] = upto
-                    delta = Delta(seq.sample_index, seq.output_token_ids[sent:upto], seq.output_logprobs[sent:upto])
-                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
+                    self._deliver(stream, Delta(seq.sample_index, seq.output_token_ids[sent:upto], seq.output_logprobs[sent:upto]))

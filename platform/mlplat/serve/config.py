@@ -17,6 +17,9 @@ class ReplicaConfig(Config):
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict)  # custom Ray resources, e.g. {prefill: 1} to pin replicas to a node group
+    # Serve calls each replica's check_health this often; a replica whose engine stopped fails it and is replaced.
+    health_check_period_s: float = Field(10.0, gt=0)
+    health_check_timeout_s: float = Field(30.0, gt=0)
 
 
 # The KV connectors Ray Serve LLM documents for prefill/decode and registers a backend for
@@ -28,6 +31,7 @@ NATIVE_ONLY_HINTS = {
     "engine_args": "with engine: vllm put vLLM's engine arguments in vllm.engine_kwargs",
     "default_max_tokens": "with engine: vllm clients set max_tokens (without it vLLM may generate up to the context length)",
     "prefill_router": "with engine: vllm Ray Serve LLM routes requests itself",
+    "request_timeout_s": "with engine: vllm set Serve's http_options.request_timeout_s or a gateway timeout",
 }
 
 # Ray Serve LLM derives these from the rest of the config (and refuses the first two in engine_kwargs).
@@ -96,6 +100,9 @@ class ServeConfig(Config):
     prefill_router: Literal["prefix_aware", "round_robin"] = "prefix_aware"
     ingress: ReplicaConfig = ReplicaConfig(num_cpus=0.5)
     default_max_tokens: int = Field(256, ge=1)  # engine: native: max_tokens of requests that give none
+    # engine: native: a request still running this long after it arrived ends with 504 (an error event
+    # in a stream) and its KV blocks are freed.
+    request_timeout_s: float = Field(600.0, gt=0)
     # API keys (tenant:key in $MLPLAT_API_KEYS) and per-tenant rate limits. Validated even when left
     # at its default, because engine: vllm must say `enabled: false` (see _keys_need_the_native_ingress).
     auth: AuthConfig = Field(AuthConfig(), validate_default=True)
@@ -116,7 +123,7 @@ class ServeConfig(Config):
     # Settings one engine would silently ignore are errors. These validators see `mode` and `engine`
     # (declared above them) in info.data, and, but for `auth`, run only on fields the config sets.
 
-    @field_validator("engine_args", "default_max_tokens", "prefill_router")
+    @field_validator("engine_args", "default_max_tokens", "prefill_router", "request_timeout_s")
     @classmethod
     def _native_only(cls, value: Any, info: ValidationInfo) -> Any:
         if info.data.get("engine") == "vllm":
@@ -151,3 +158,34 @@ class ServeConfig(Config):
             raise ValueError("engine: vllm serves through Ray Serve LLM's ingress, which checks no API keys or rate limits: "
                              "set auth.enabled=false (and no rate limits) and put an authenticating gateway in front")
         return auth
+
+
+def replica_groups(cfg: ServeConfig) -> dict[str, ReplicaConfig]:
+    """The deployments the app runs, by config field name."""
+    return {"ingress": cfg.ingress, **({"colocated": cfg.colocated} if cfg.mode == "colocated" else {"prefill": cfg.prefill, "decode": cfg.decode})}
+
+
+def fit_to_cluster(cfg: ServeConfig, cluster_cpus: float, cluster_gpus: float = 0.0) -> tuple[ServeConfig, str | None]:
+    """The config with replica CPUs that fit the cluster, and a note saying what changed.
+
+    Replica CPUs left at their defaults are scaled down together when the app would not fit (on a
+    2-core laptop the PD defaults ask for 2.5 CPUs, and Serve would wait for them forever); CPUs or
+    GPUs the config sets, or more GPUs than the cluster has, raise ``ValueError`` naming what the app
+    needs and what the cluster has, since waiting cannot help."""
+    groups = replica_groups(cfg)
+    need_cpus = sum(g.num_replicas * g.num_cpus for g in groups.values())
+    need_gpus = sum(g.num_replicas * g.num_gpus for g in groups.values())
+    asked = ", ".join(f"{name} {g.num_replicas} x {g.num_cpus:g} CPU" + (f" + {g.num_gpus:g} GPU" if g.num_gpus else "") for name, g in groups.items())
+    if need_gpus > cluster_gpus:
+        raise ValueError(f"the app needs {need_gpus:g} GPUs ({asked}); the cluster has {cluster_gpus:g}: lower the replicas' num_gpus or num_replicas")
+    if need_cpus <= cluster_cpus:
+        return cfg, None
+    fixed = [name for name, g in groups.items() if name in cfg.model_fields_set and "num_cpus" in g.model_fields_set]
+    if fixed:
+        raise ValueError(f"the app needs {need_cpus:g} CPUs ({asked}); the cluster has {cluster_cpus:g}: "
+                         f"lower {', '.join(f'{name}.num_cpus' for name in fixed)} or num_replicas, or add nodes")  # fmt: skip
+    scale = cluster_cpus / need_cpus
+    update = {name: g.model_copy(update={"num_cpus": int(g.num_cpus * scale * 100) / 100}) for name, g in groups.items()}
+    fitted = cfg.model_copy(update=update)
+    now = ", ".join(f"{name} {g.num_cpus:g}" for name, g in update.items())
+    return fitted, f"the default replica CPUs ({need_cpus:g} in all) exceed the cluster's {cluster_cpus:g}: using {now} CPUs per replica"

@@ -10,18 +10,23 @@ through the object store between them and never through this process.
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mlplat.engine.scheduler import QueueFullError
+from mlplat.engine import QueueFullError, RequestFailedError
 from mlplat.models.checkpoint import load_tokenizer
 from mlplat.observability import catalogue as metrics
 from mlplat.observability.logs import RequestIdMiddleware, current_request_id, request_id_of
 from mlplat.observability.serving import RequestTimer, rejection_reason
+from mlplat.serve.async_engine import DeadlineExceededError, EngineDeadError
 from mlplat.serve.auth import Denied, Gatekeeper
 from mlplat.serve.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body, new_id, now
 
@@ -64,12 +69,40 @@ async def _validation_error(request: Request, err: RequestValidationError):
     return _error_response(request, 400, error_body(message, param), "invalid_request")
 
 
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, err: StarletteHTTPException):  # unknown routes, wrong methods
+    message = f"{request.method} {request.url.path}: {err.detail}"
+    if err.status_code == 404:
+        message += "; routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health"
+    return _error_response(request, err.status_code, error_body(message, code="not_found" if err.status_code == 404 else None),
+                           rejection_reason(err.status_code, None))  # fmt: skip
+
+
+# Where a request went wrong, as the client should hear it: (status, code, retry); the rest is a 500.
+OVERLOADED = (503, "overloaded", True)  # the engines are full: retry soon, maybe on another replica
+UNAVAILABLE = (503, "engine_unavailable", True)  # the replica's engine stopped; Serve is replacing it
+FAILURES = {
+    QueueFullError: OVERLOADED,
+    BackPressureError: OVERLOADED,
+    EngineDeadError: UNAVAILABLE,
+    RayActorError: UNAVAILABLE,  # the replica process died (also ActorDiedError, ActorUnavailableError)
+    DeploymentUnavailableError: UNAVAILABLE,
+    DeadlineExceededError: (504, "timeout", False),
+    RequestFailedError: (500, "request_failed", False),
+}
+
+
 def sse_event(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def _cause(err: BaseException) -> BaseException:
-    return getattr(err, "cause", None) or err
+def _causes(err: BaseException) -> list[BaseException]:
+    """The error and what it wraps: a replica's exception reaches the ingress inside Ray's
+    RayTaskError (``.cause``), possibly twice (a decode call whose prefill argument failed)."""
+    chain = [err]
+    while (cause := getattr(chain[-1], "cause", None)) is not None and len(chain) < 8:
+        chain.append(cause)
+    return chain
 
 
 class Detokenizer:
@@ -95,19 +128,32 @@ class Detokenizer:
         return new
 
 
-@serve.deployment(max_ongoing_requests=1024)
+@serve.deployment  # limits and health checks: serve_apps.llm.build_app, from mlplat.serve.admission
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, model_dir: str, model_name: str, mode: str, default_max_tokens: int, max_model_len: int,
-                 gate: Gatekeeper, llm=None, prefill=None, decode=None):
+    def __init__(self, model_dir: str, model_name: str, mode: str, default_max_tokens: int, max_model_len: int, vocab_size: int,
+                 request_timeout_s: float, max_sequences_in_flight: int, gate: Gatekeeper, llm=None, prefill=None, decode=None):
         self.tokenizer = load_tokenizer(model_dir)
         self.model_name, self.mode = model_name, mode
-        self.default_max_tokens, self.max_model_len = default_max_tokens, max_model_len
+        self.default_max_tokens, self.max_model_len, self.vocab_size = default_max_tokens, max_model_len, vocab_size
+        self.request_timeout_s = request_timeout_s
+        self.max_sequences_in_flight, self.sequences_in_flight = max_sequences_in_flight, 0  # see mlplat.serve.admission
         self.gate = gate
         self.llm, self.prefill, self.decode = llm, prefill, decode
         app.state.model_name = model_name  # one ingress per replica process: the label of its metrics
 
     # -- routes -------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self):
+        """200 when every engine deployment answers through its engine loop; 503 otherwise."""
+        try:
+            for engines in filter(None, (self.llm, self.prefill, self.decode)):
+                await asyncio.wait_for(engines.health.remote(), timeout=10)
+        except Exception as err:  # noqa: BLE001
+            reason = str(_causes(err)[-1]) or type(_causes(err)[-1]).__name__
+            raise APIError(503, f"unhealthy: {reason}", code="engine_unavailable", headers={"Retry-After": "1"}, reason="unavailable") from None
+        return {"status": "ok"}
+
     @app.get("/v1/models")
     async def models(self, request: Request):
         self._authorize(request)
@@ -117,7 +163,14 @@ class OpenAIIngress:
     async def completions(self, body: CompletionRequest, request: Request):
         self._authorize(request)
         self._check_model(body.model)
-        prompt_ids = body.prompt if isinstance(body.prompt, list) else self.tokenizer.encode(body.prompt, add_special_tokens=False)
+        if isinstance(body.prompt, list):
+            prompt_ids = body.prompt
+            bad = next((i for i, t in enumerate(prompt_ids) if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise APIError(400, f"prompt[{bad}]: token id {prompt_ids[bad]} is outside the model's vocabulary [0, {self.vocab_size})",
+                               f"prompt.{bad}", "invalid_token_id")  # fmt: skip
+        else:
+            prompt_ids = self.tokenizer.encode(body.prompt, add_special_tokens=False)
         return await self._respond(body, prompt_ids, chat=False, logprobs=body.logprobs is not None, request=request)
 
     @app.post("/v1/chat/completions")
@@ -140,7 +193,7 @@ class OpenAIIngress:
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
-            raise APIError(400, f"model {model!r} is not served here; available: [{self.model_name!r}]", "model", "model_not_found")
+            raise APIError(404, f"model {model!r} is not served here; available: [{self.model_name!r}]", "model", "model_not_found")
 
     async def _respond(self, body, prompt_ids: list[int], chat: bool, logprobs: bool, request: Request):
         params = body.sampling_params(self.default_max_tokens, logprobs)
@@ -148,32 +201,73 @@ class OpenAIIngress:
             param = "max_tokens" if len(prompt_ids) < self.max_model_len else ("messages" if chat else "prompt")
             raise APIError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                                 f"model's context of {self.max_model_len} tokens", param, "context_length_exceeded")
-        request_id = new_id("chatcmpl" if chat else "cmpl")
-        log.info("request %s: %s, %d prompt tokens", request_id, "chat" if chat else "completion", len(prompt_ids))
-        timer = RequestTimer(self.model_name, getattr(request.state, "started", None))
-        deltas = self._generate(prompt_ids, params, request_id)
+        if self.sequences_in_flight + params.n > self.max_sequences_in_flight:
+            raise APIError(503, f"server overloaded: {self.sequences_in_flight} sequences in flight on this ingress "
+                                f"(limit {self.max_sequences_in_flight}); retry shortly", code="overloaded",
+                           headers={"Retry-After": "1"}, reason="overloaded")  # fmt: skip
+        self.sequences_in_flight += params.n
+        streaming = False
         try:
-            first = await anext(deltas)  # errors (overload, bad request) surface before any byte is sent
-        except Exception as err:  # noqa: BLE001
-            raise self._as_api_error(err) from None
-        timer.on_delta(first["index"], len(first["token_ids"]))
-        if body.stream:
-            return StreamingResponse(self._sse(first, deltas, params, request_id, chat, timer, len(prompt_ids)), media_type="text/event-stream")
-        return await self._collect(first, deltas, params, prompt_ids, request_id, chat, timer)
+            request_id = new_id("chatcmpl" if chat else "cmpl")
+            log.info("request %s: %s, %d prompt tokens", request_id, "chat" if chat else "completion", len(prompt_ids))
+            timer = RequestTimer(self.model_name, getattr(request.state, "started", None))
+            waited = time.perf_counter() - getattr(request.state, "started", time.perf_counter())  # since arrival
+            deadline = time.time() - waited + self.request_timeout_s  # wall clock: the engine replicas check it too
+            deltas = self._until(self._generate(prompt_ids, params, request_id, deadline), deadline)
+            try:
+                first = await anext(deltas)  # errors (overload, bad request) surface before any byte is sent
+            except Exception as err:  # noqa: BLE001
+                raise self._as_api_error(err) from None
+            timer.on_delta(first["index"], len(first["token_ids"]))
+            if body.stream:
+                sse = self._sse(first, deltas, params, request_id, chat, timer, len(prompt_ids))
+                streaming = True  # the stream gives the sequences back when it ends
+                return StreamingResponse(self._releasing(sse, params.n), media_type="text/event-stream")
+            return await self._collect(first, deltas, params, prompt_ids, request_id, chat, timer)
+        finally:
+            if not streaming:
+                self.sequences_in_flight -= params.n
+
+    async def _releasing(self, events: AsyncIterator[str], n: int) -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        finally:
+            self.sequences_in_flight -= n
+
+    @staticmethod
+    async def _until(deltas: AsyncIterator[dict], deadline: float) -> AsyncIterator[dict]:
+        """The deadline, held here too: the engine enforces it on requests it holds (freeing their
+        blocks), this catches time spent before (Serve's queues, a prefill in PD mode)."""
+        try:
+            while True:
+                try:  # a second past the engine's own check, whose error says more
+                    delta = await asyncio.wait_for(anext(deltas), timeout=max(0.0, deadline - time.time()) + 1.0)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise DeadlineExceededError("request ran past its deadline (request_timeout_s)") from None
+                yield delta
+        finally:
+            await deltas.aclose()
 
     def _as_api_error(self, err: BaseException) -> APIError:
-        cause = _cause(err)
-        if isinstance(cause, QueueFullError) or isinstance(err, QueueFullError):
-            return APIError(429, f"server overloaded: {cause}", code="rate_limit_exceeded", headers={"Retry-After": "1"}, reason="overloaded")
-        if isinstance(cause, ValueError):
-            return APIError(400, str(cause))
         if isinstance(err, APIError):
             return err
-        return APIError(500, f"internal error: {type(cause).__name__}")
+        for cause in _causes(err):
+            for kind, (status, code, retry) in FAILURES.items():
+                if isinstance(cause, kind):
+                    reason = {"overloaded": "overloaded", "engine_unavailable": "unavailable", "timeout": "timeout"}.get(code)
+                    message = f"server overloaded: {cause}" if code == "overloaded" else str(cause) or type(cause).__name__
+                    return APIError(status, message, code=code, headers={"Retry-After": "1"} if retry else None, reason=reason)
+            if isinstance(cause, ValueError):
+                return APIError(400, str(cause))
+        log.error("request failed: %r", err)
+        return APIError(500, f"internal error: {type(_causes(err)[-1]).__name__}")
 
-    async def _generate(self, prompt_ids: list[int], params, request_id: str) -> AsyncIterator[dict]:
+    async def _generate(self, prompt_ids: list[int], params, request_id: str, deadline: float) -> AsyncIterator[dict]:
         if params.n == 1 or self.mode == "colocated":
-            async for d in self._one(prompt_ids, params, request_id):
+            async for d in self._one(prompt_ids, params, request_id, deadline):
                 yield d
             return
         # PD with n > 1: n independent prefill->decode pipelines (the prefill replica's prefix
@@ -183,7 +277,7 @@ class OpenAIIngress:
         async def pump(i: int):
             seed = None if params.seed is None else params.seed + i
             try:
-                async for d in self._one(prompt_ids, params.model_copy(update={"n": 1, "seed": seed}), f"{request_id}-{i}"):
+                async for d in self._one(prompt_ids, params.model_copy(update={"n": 1, "seed": seed}), f"{request_id}-{i}", deadline):
                     await queue.put({**d, "index": i})
             except Exception as err:  # noqa: BLE001
                 await queue.put(err)
@@ -201,13 +295,13 @@ class OpenAIIngress:
             for t in tasks:
                 t.cancel()
 
-    async def _one(self, prompt_ids: list[int], params, request_id: str) -> AsyncIterator[dict]:
+    async def _one(self, prompt_ids: list[int], params, request_id: str, deadline: float) -> AsyncIterator[dict]:
         p = params.model_dump()
         if self.mode == "colocated":
-            stream = self.llm.options(stream=True).generate.remote(prompt_ids, p, request_id)
+            stream = self.llm.options(stream=True).generate.remote(prompt_ids, p, request_id, deadline)
         else:
             payload = self.prefill.prefill.remote(prompt_ids, p)  # a reference: not awaited here
-            stream = self.decode.options(stream=True).generate_prefilled.remote(payload, p, request_id)
+            stream = self.decode.options(stream=True).generate_prefilled.remote(payload, p, request_id, deadline)
         async for d in stream:
             yield d
 
@@ -234,7 +328,8 @@ class OpenAIIngress:
             e = self._as_api_error(err)
             metrics.SERVE_REJECTIONS.inc(model=self.model_name, reason=e.reason)
             log.warning("request %s failed mid-stream: %s", request_id, e.message)
-            yield sse_event({"error": {**error_body(e.message, e.param, e.code)["error"], "request_id": current_request_id()}})
+            type_ = "invalid_request_error" if e.status < 500 else "server_error"
+            yield sse_event({"error": {**error_body(e.message, e.param, e.code, type_)["error"], "request_id": current_request_id()}})
         yield "data: [DONE]\n\n"
 
     async def _collect(self, first, deltas, params, prompt_ids, request_id: str, chat: bool, timer: RequestTimer):

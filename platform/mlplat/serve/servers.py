@@ -12,10 +12,11 @@ from functools import partial
 from ray import serve
 
 from mlplat.engine import EngineConfig, SamplingParams
+from mlplat.engine.engine import FaultHook
 from mlplat.engine.kv_transfer import KVPayload
 from mlplat.observability import catalogue as metrics
 from mlplat.observability.serving import record_engine_stats
-from mlplat.serve.async_engine import AsyncEngine
+from mlplat.serve.async_engine import AsyncEngine, EngineDeadError
 
 log = logging.getLogger("mlplat.serve")
 ROLES = {"prefill": "prefill", "decode": "decode"}  # deployment name -> metrics role; any other name serves both: colocated
@@ -28,21 +29,36 @@ def _deployment_name() -> str:
         return ""
 
 
-@serve.deployment(max_ongoing_requests=512)
+@serve.deployment  # limits and health checks: serve_apps.llm.build_app, from mlplat.serve.admission
 class EngineServer:
     def __init__(self, engine_config: dict):
         role = ROLES.get(_deployment_name(), "colocated")
         self.engine = AsyncEngine(EngineConfig(**engine_config), on_stats=partial(record_engine_stats, role=role))
         self.handoffs = {"count": 0, "bytes": 0, "latency_s": 0.0, "import_failures": 0}
 
-    async def generate(self, prompt_ids: list[int], params: dict, request_id: str) -> AsyncIterator[dict]:
-        async for delta in self.engine.generate(prompt_ids, SamplingParams(**params), request_id):
+    def check_health(self) -> None:
+        """Serve calls this every health_check_period_s: a replica whose engine loop stopped is replaced."""
+        if not self.engine.alive:
+            raise EngineDeadError(self.engine.dead_reason or "the engine loop is not running")
+
+    async def health(self) -> bool:
+        """For the ingress's GET /health: a round trip through the engine loop."""
+        self.check_health()
+        await self.engine.stats()
+        return True
+
+    async def set_fault_hook(self, hook: FaultHook | None) -> None:
+        """Tests only: run ``hook`` inside this replica's engine steps (see mlplat.engine.engine.FaultHook)."""
+        await self.engine.set_fault_hook(hook)
+
+    async def generate(self, prompt_ids: list[int], params: dict, request_id: str, deadline: float | None = None) -> AsyncIterator[dict]:
+        async for delta in self.engine.generate(prompt_ids, SamplingParams(**params), request_id, deadline):
             yield asdict(delta)
 
     async def prefill(self, prompt_ids: list[int], params: dict) -> KVPayload:
         return await self.engine.prefill(prompt_ids, SamplingParams(**params))
 
-    async def generate_prefilled(self, payload: KVPayload, params: dict, request_id: str) -> AsyncIterator[dict]:
+    async def generate_prefilled(self, payload: KVPayload, params: dict, request_id: str, deadline: float | None = None) -> AsyncIterator[dict]:
         """Decode from a prefill server's payload (resolved from the object store in this
         replica, never through the ingress); recompute the prefill here if import fails."""
         sampling = SamplingParams(**params)
@@ -53,13 +69,13 @@ class EngineServer:
         metrics.SERVE_KV_HANDOFF_BYTES.observe(payload.nbytes)
         metrics.SERVE_KV_HANDOFF_SECONDS.observe(latency_s)
         try:
-            stream = self.engine.generate_prefilled(payload, sampling, request_id)
+            stream = self.engine.generate_prefilled(payload, sampling, request_id, deadline)
             first = await anext(stream)
         except ValueError as err:  # an incompatible payload (shape, dtype); overload (QueueFullError) propagates as 429
             log.warning("request %s: KV payload import failed (%s); recomputing the prefill", request_id, err)
             self.handoffs["import_failures"] += 1
             metrics.SERVE_KV_HANDOFF_FAILURES.inc()
-            stream = self.engine.generate(payload.prompt_token_ids, sampling, request_id)
+            stream = self.engine.generate(payload.prompt_token_ids, sampling, request_id, deadline)
             first = await anext(stream)
         yield asdict(first)
         async for delta in stream:

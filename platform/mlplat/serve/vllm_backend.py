@@ -55,7 +55,9 @@ def deployment_config(replicas: ReplicaConfig) -> dict[str, Any]:
         actor["num_gpus"] = replicas.num_gpus
     if replicas.resources:
         actor["resources"] = dict(replicas.resources)
-    return {"num_replicas": replicas.num_replicas, "ray_actor_options": actor}
+    options = {"num_replicas": replicas.num_replicas, "ray_actor_options": actor}
+    options |= {key: getattr(replicas, key) for key in ("health_check_period_s", "health_check_timeout_s") if key in replicas.model_fields_set}
+    return options
 
 
 def llm_config(cfg: ServeConfig, role: Role, model_dir: Path) -> dict[str, Any]:
