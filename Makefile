@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # resolves to a local CPU wheel). GPU machines: make quickstart TORCH=torch
 TORCH ?= torch==2.13.0
 
-.PHONY: quickstart test install install-dev prometheus clean
+.PHONY: quickstart test test-fast install install-dev prometheus clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ quickstart: install
 
 test: install-dev prometheus
 	$(BIN)/python -m pytest -q -ra
+
+# The unit tests alone: no Ray cluster, no end-to-end runs (under 2 minutes on 2 cores).
+test-fast: install-dev
+	$(BIN)/python -m pytest -q -ra -m "not cluster and not slow"
 
 # Debian's prometheus for tests/test_observability_prometheus.py (root, as in CI). Never fails the
 # build: without apt (or root) the test skips and says why.

@@ -23,6 +23,17 @@ PROMETHEUS = shutil.which("prometheus")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
 
 
+# `make test-fast` runs the unit tests: none that needs a Ray cluster (through these fixtures, or one it
+# starts itself: marked `cluster`) and none of the `slow` end-to-end runs. `make test` runs everything.
+CLUSTER_FIXTURES = {"ray_cluster", "ray_head", "token_auth_head"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if CLUSTER_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.cluster)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray

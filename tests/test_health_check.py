@@ -96,6 +96,7 @@ def test_disk_benchmark_writes_reads_and_cleans_up(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.cluster
 def test_check_on_a_four_node_cluster_flags_marks_and_unmarks_the_slow_node(tracking_uri, tmp_path):
     profile = {
         "name": "test-tiny",
