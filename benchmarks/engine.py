@@ -45,7 +45,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from mlplat.data.demo import DemoDataConfig, tokenizer_corpus, write_demo_data
 from mlplat.engine import EngineConfig, LLMEngine, SamplingParams
 from mlplat.engine.config import SpeculativeConfig
-from mlplat.engine.model import Linear, pack_linear_weights_
+from mlplat.engine.cpu import PackedLinear
 from mlplat.engine.quant import weight_bytes
 from mlplat.models import load_tokenizer
 from mlplat.models.tokenizer import train_chat_tokenizer
@@ -173,13 +173,13 @@ def matmul_flops(shapes: list[tuple[int, int, int]]) -> float:
     """FLOP/s of x[M,K] @ w[K,N] over the given shapes (summed FLOPs / summed best times).
 
     Each shape takes the faster of plain MKL and the engine's own linear (oneDNN on a packed
-    weight, mlplat.engine.model.Linear): a roofline from a slower kernel would flatter the engine."""
+    weight, mlplat.engine.cpu.PackedLinear): a roofline from a slower kernel would flatter the engine."""
     flops, seconds = 0.0, 0.0
     for m, k, n in shapes:
         x, w = torch.randn(m, k), torch.randn(k, n)
-        linear = Linear(k, n, bias=False).requires_grad_(False)
+        linear = torch.nn.Linear(k, n, bias=False).requires_grad_(False)
         if torch.backends.mkldnn.is_available():
-            pack_linear_weights_(linear)
+            linear = PackedLinear(linear)
         kernels = [lambda x=x, w=w: x @ w, lambda x=x: linear(x)]
         with torch.inference_mode():
             for kernel in kernels:
@@ -195,7 +195,7 @@ def matmuls_only_time(model, rows: int = 1) -> float:
     matmuls of a decode step at batch ``rows`` through the engine's own kernels, every layer's weights
     read from memory as the step reads them, and nothing else (no attention, norms, sampling or
     Python between layers). What the kernels leave of the rooflines."""
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
     inputs = [torch.randn(rows, m.in_features) for m in linears]
 
     def one_pass():

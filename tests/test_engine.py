@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qw
 
 from mlplat.engine import EngineConfig, LLMEngine, QueueFullError, SamplingParams
 from mlplat.engine.config import SpeculativeConfig
-from mlplat.engine.model import AttentionMetadata, paged_attention
+from mlplat.engine.cpu import CpuPagedAttention, CpuRMSNorm, CpuRopeTables, CpuRotary, CpuSiluAndMul, PackedLinear, paged_attention
+from mlplat.engine.model import AttentionMetadata
 from mlplat.engine.spec_decode import NgramDrafter, verify
 from mlplat.models import load_tokenizer
 
@@ -92,7 +93,9 @@ def test_greedy_equals_transformers_generate(checkpoint, kernels):
     engine = engine_for(checkpoint, cpu_kernels=kernels)
     model = engine.runner.model
     assert engine.runner.decode_kernel == kernels
-    assert model.norm.cpu_kernel == model.layers[0].mlp.act.cpu_kernel == model.rotary.cpu_kernel == kernels
+    swapped = [isinstance(m, cls) for m, cls in ((model.norm, CpuRMSNorm), (model.layers[0].mlp.act, CpuSiluAndMul),
+                                                 (model.rotary, CpuRotary), (model.layers[0].self_attn.attn, CpuPagedAttention))]
+    assert swapped == [kernels] * 4
     outs = run_checked(engine, prompt_ids=batch)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(checkpoint, batch, GREEDY.max_tokens)
 
@@ -265,7 +268,7 @@ def test_fused_kernels_equal_aten(rows):
     qk = qkv[:, : (heads + kv_heads) * head_dim].view(rows, heads + kv_heads, head_dim)
     expected = RopeTables(cos, sin).rotate(qk)
     untouched = qkv[:, (heads + kv_heads) * head_dim :].clone()
-    assert RopeTables(cos, sin, cpu_kernel=True).rotate(qk) is qk
+    assert CpuRopeTables(cos, sin).rotate(qk) is qk
     torch.testing.assert_close(qk, expected)
     torch.testing.assert_close(qkv[:, (heads + kv_heads) * head_dim :], untouched)  # v is not rotated
     with pytest.raises(RuntimeError, match="cos and sin"):
@@ -426,14 +429,13 @@ def test_score_matches_transformers(llama):
 
 
 def test_cpu_packed_weights_match_the_plain_weights(llama):
-    from mlplat.engine.model import Linear
     from mlplat.engine.quant import weight_bytes
 
     packed, plain = engine_for(llama), engine_for(llama, cpu_packed_weights=False)
-    linears = {n: m for n, m in packed.runner.model.named_modules() if isinstance(m, Linear) and m.packed_weight is not None}
+    linears = {n: m for n, m in packed.runner.model.named_modules() if isinstance(m, PackedLinear)}
     assert len(linears) == 2 * 4  # qkv, o, gate_up, down in each of 2 layers; the tied head stays unpacked
     assert all(m.gemv_weight is not None and m.weight.device.type == "meta" for m in linears.values())  # no plain copy kept
-    assert all(m.packed_weight is None for m in plain.runner.model.modules() if isinstance(m, Linear))
+    assert not any(isinstance(m, PackedLinear) for m in plain.runner.model.modules())
     assert weight_bytes(packed.runner.model, include_packed=False) == weight_bytes(plain.runner.model)
     # Two oneDNN layouts in place of the plain weight: about twice the projections' memory, not three times.
     assert weight_bytes(plain.runner.model) < weight_bytes(packed.runner.model) < 2.2 * weight_bytes(plain.runner.model)
@@ -501,7 +503,7 @@ def test_ngram_speculation_is_lossless_for_greedy(llama):
     reference = [o.outputs[0].token_ids for o in run_checked(engine_for(llama), prompt_ids=batch)]
     engine = spec_engine(llama, "ngram")
     assert [o.outputs[0].token_ids for o in run_checked(engine, prompt_ids=batch)] == reference
-    assert engine.num_draft_tokens > 0
+    assert engine.speculator.num_draft_tokens > 0
 
 
 def test_ngram_drafts_take_the_latest_match_with_k_tokens_after_it():
@@ -524,9 +526,9 @@ def test_draft_model_speculation(llama, tmp_path, tiny_model):
     other = make_checkpoint(tmp_path / "draft", load_tokenizer(tiny_model), "llama")
     engine = spec_engine(llama, "draft_model", draft=other, num_kv_blocks=24, max_num_batched_tokens=16)
     assert [o.outputs[0].token_ids for o in run_checked(engine, prompt_ids=batch)] == reference
-    assert engine.num_draft_tokens > 0 and engine.spec_acceptance_rate < 1.0
-    engine.drafter.retain(set())  # what the next step does once those sequences are gone
-    assert not engine.drafter.mirrors and engine.drafter.blocks.num_free_blocks == engine.drafter.runner.num_blocks
+    assert engine.speculator.num_draft_tokens > 0 and engine.spec_acceptance_rate < 1.0
+    engine.speculator.drafter.retain(set())  # what the next step does once those sequences are gone
+    assert not engine.speculator.drafter.mirrors and engine.speculator.drafter.blocks.num_free_blocks == engine.speculator.drafter.runner.num_blocks
 
 
 @pytest.mark.parametrize("draft", [0, 4])  # the most and the least likely token as the draft
@@ -670,3 +672,22 @@ def test_a_fault_in_the_forward_pass_propagates(llama):
     engine.fault_hook = lambda stage, seq: (_ for _ in ()).throw(RuntimeError("device lost")) if stage == "forward" else None
     with pytest.raises(RuntimeError, match="device lost"):
         engine.step()
+
+
+def test_imported_requests_holding_the_whole_cache_do_not_wait_for_each_other(llama):
+    # Found by tests/test_engine_state_machine.py: on a decode engine, waiting imported requests hold
+    # their prompts' KV; with every block held that way and nothing running, the head of the queue
+    # could never get the block for its next token, and the engine stepped forever without progress.
+    prefill, decode = engine_for(llama), engine_for(llama, num_kv_blocks=6, max_num_seqs=1)
+    batch = [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20], [21, 22, 23, 24, 25, 26, 27, 28]]
+    params = GREEDY.model_copy(update={"max_tokens": 4})
+    reference = [o.outputs[0].token_ids for o in run_checked(engine_for(llama), params, batch)]
+    ids = [decode.add_prefilled(prefill.prefill(p, params), params) for p in batch]  # 2 blocks each: all 6 held
+    done, steps = {}, 0
+    while decode.has_unfinished:
+        done |= {o.request_id: o for o in decode.step()}
+        decode.block_manager.check_invariants(decode.live_sequences())
+        steps += 1
+        assert steps < 100, "no progress"
+    assert [done[i].outputs[0].token_ids for i in ids] == reference
+    assert decode.block_manager.num_free_blocks == 6

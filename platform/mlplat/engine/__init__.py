@@ -1,7 +1,9 @@
 """The native inference engine: paged KV cache, continuous batching, prefix caching.
 
 Files, in reading order: config, sampling, sequence, block_manager, scheduler,
-model (Llama family over paged attention), runner (weights + KV cache), engine.
+model (Llama family over paged attention, plain), runner (weights + KV cache), engine
+(the step: schedule -> run -> post-process); beside them: cpu (CPU kernels and weight
+layouts, swapped into the model), quant (int8), spec_decode, kv_transfer (PD handoff).
 """
 
 from mlplat.engine.config import EngineConfig

@@ -3,19 +3,21 @@
     engine = LLMEngine(EngineConfig(model="path/to/hf_checkpoint"))
     outputs = engine.generate(["What is 2 + 2?"], SamplingParams(temperature=0))
 
-``step()`` is the continuous-batching loop body: schedule, run one forward, sample,
-append, finish. Serving and RL rollouts drive it; ``generate`` is the offline helper.
+``step()`` is the continuous-batching loop body: schedule, run one forward, post-process
+(sample, append, finish). Serving and RL rollouts drive it; ``generate`` is the offline
+helper. Speculative decoding lives in ``spec_decode``, the prefill/decode handoff in
+``kv_transfer``.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import count
 
 import torch
 
+from mlplat.engine import kv_transfer
 from mlplat.engine.block_manager import BlockManager
 from mlplat.engine.config import EngineConfig
 from mlplat.engine.kv_transfer import KVPayload
@@ -23,7 +25,7 @@ from mlplat.engine.runner import ModelRunner
 from mlplat.engine.sampling import SamplingParams, sample
 from mlplat.engine.scheduler import QueueFullError, Scheduler
 from mlplat.engine.sequence import Sequence, Status
-from mlplat.engine.spec_decode import DraftModelDrafter, NgramDrafter, verify
+from mlplat.engine.spec_decode import Speculator
 from mlplat.models.checkpoint import load_tokenizer
 
 
@@ -69,28 +71,10 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}
         self.eos_token_ids = {self.tokenizer.eos_token_id} | set(self._generation_eos())
         self._request_ids = count()
-        self._finished_early: list[str] = []  # imported requests that stopped on their first token
-        self.drafter = self._build_drafter(cfg)
-        self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.finished_on_admission: list[str] = []  # requests that finished before entering the queues
+        self.speculator = Speculator(cfg, self.block_manager, self.runner.max_model_len, self.vocab_size) if cfg.speculative else None
         self.num_steps = 0
         self.fault_hook: FaultHook | None = None
-
-    def _build_drafter(self, cfg: EngineConfig):
-        spec = cfg.speculative
-        if spec is None:
-            return None
-        if spec.method == "ngram":
-            return NgramDrafter(spec)
-        if spec.draft_model is None:
-            raise ValueError("speculative.draft_model is required for method 'draft_model'")
-        draft_cfg = cfg.model_copy(update={"model": spec.draft_model, "speculative": None, "quantization": None})
-        runner = ModelRunner(draft_cfg)
-        if runner.hf_config.vocab_size != self.runner.hf_config.vocab_size:
-            raise ValueError(
-                f"draft model vocab ({runner.hf_config.vocab_size}) differs from the target's "
-                f"({self.runner.hf_config.vocab_size}): they must share a tokenizer"
-            )
-        return DraftModelDrafter(runner, cfg.block_size)
 
     def _generation_eos(self) -> list[int]:
         eos = getattr(self.runner.hf_config, "eos_token_id", None)
@@ -137,12 +121,12 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
         self.requests.pop(request_id, None)
-        if request_id in self._finished_early:
-            self._finished_early.remove(request_id)
+        if request_id in self.finished_on_admission:
+            self.finished_on_admission.remove(request_id)
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work or bool(self._finished_early)
+        return self.scheduler.has_work or bool(self.finished_on_admission)
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -152,15 +136,22 @@ class LLMEngine:
         with ``error``); anything raised by scheduling or the forward pass propagates: the engine
         state is then not to be trusted."""
         self.num_steps += 1
-        early, self._finished_early = self._finished_early, []
+        admitted_finished, self.finished_on_admission = self.finished_on_admission, []
         batch = self.scheduler.schedule()
         if not batch:
-            return [self._pop_output(r) for r in early]
-        drafts = self._propose(batch)
+            return [self._pop_output(r) for r in admitted_finished]
+        drafts = self.speculator.propose(batch, {s.seq_id for s in self.live_sequences()}) if self.speculator else [[] for _ in batch]
+        rows = self._run(batch, drafts)
+        return [self._pop_output(r) for r in admitted_finished] + self._postprocess(batch, drafts, rows)
+
+    def _run(self, batch: list[tuple[Sequence, int]], drafts: list[list[int]]) -> tuple[torch.Tensor, ...]:
+        """Logits per scheduled sequence: [1 + its drafts, V] (a draft's row verifies it)."""
         if self.fault_hook:
             self.fault_hook("forward", None)
-        logits = self.runner.run([(s, n + len(d)) for (s, n), d in zip(batch, drafts)], [len(d) + 1 for d in drafts])
-        rows = logits.split([len(d) + 1 for d in drafts])
+        num_logits = [len(d) + 1 for d in drafts]
+        return self.runner.run([(s, n + len(d)) for (s, n), d in zip(batch, drafts)], num_logits).split(num_logits)
+
+    def _postprocess(self, batch: list[tuple[Sequence, int]], drafts: list[list[int]], rows: tuple[torch.Tensor, ...]) -> list[RequestOutput]:
         failed: dict[str, BaseException] = {}
         sampled = self._sample_plain(batch, drafts, rows, failed)
         finished_requests = set()
@@ -176,8 +167,7 @@ class LLMEngine:
                 continue
             if seq.is_finished and all(s.is_finished for s in self.requests[seq.request_id]):
                 finished_requests.add(seq.request_id)
-        outputs = [self._pop_output(r) for r in [*early, *(finished_requests - failed.keys())]]
-        return outputs + [self._fail(r, err) for r, err in failed.items()]
+        return [self._pop_output(r) for r in finished_requests - failed.keys()] + [self._fail(r, err) for r, err in failed.items()]
 
     def _sample_plain(self, batch, drafts, rows, failed: dict) -> dict[int, list[tuple[int, float]]]:
         """Sample the rows without drafts, batched; if the batch fails, row by row, failing only the
@@ -206,8 +196,7 @@ class LLMEngine:
         plain sample; verified drafts instead where it had drafts) unless it is mid-prefill."""
         seq.num_computed_tokens += n
         if drafts:
-            del seq.token_ids[len(seq) - len(drafts) :]  # drafts join the sequence only once verified
-            emitted = self._verified(seq, rows, drafts)
+            emitted = self.speculator.accept(seq, rows, drafts)
         self.block_manager.cache_full_blocks(seq)  # before a finish frees the blocks
         if seq.num_computed_tokens < len(seq):
             return  # a prefill chunk: nothing to sample yet
@@ -227,36 +216,9 @@ class LLMEngine:
         error = err if isinstance(err, RequestFailedError) else RequestFailedError(f"{type(err).__name__}: {err}")
         return RequestOutput(request_id, prompt, finished=True, error=error)
 
-    # -- speculative decoding ---------------------------------------------------------------
-    def _propose(self, batch: list[tuple[Sequence, int]]) -> list[list[int]]:
-        """Draft tokens per scheduled sequence ([] where none), appended to it for the step."""
-        drafts: list[list[int]] = [[] for _ in batch]
-        if self.drafter is None:
-            return drafts
-        self.drafter.retain({s.seq_id for s in self.live_sequences()})
-        k = self.cfg.speculative.num_speculative_tokens
-        decoding = [i for i, (s, n) in enumerate(batch) if s.num_output_tokens > 0 and s.num_computed_tokens + n == len(s)]
-        budgets = [
-            min(k, s.params.max_tokens - s.num_output_tokens - 1, self.runner.max_model_len - len(s) - 1)
-            for s in (batch[i][0] for i in decoding)
-        ]
-        for i, d in zip(decoding, self.drafter.propose([batch[i][0] for i in decoding], budgets)):
-            seq, n = batch[i]
-            if d and self.block_manager.allocate_slots(seq, n + len(d)):
-                seq.token_ids += d
-                drafts[i] = d
-        return drafts
-
-    def _verified(self, seq: Sequence, rows: torch.Tensor, drafts: list[int]) -> list[tuple[int, float]]:
-        emitted = verify(rows, drafts, seq.params, seq.generator)
-        self.num_draft_tokens += len(drafts)
-        self.num_accepted_tokens += len(emitted) - 1
-        logprobs = torch.log_softmax(rows.float(), dim=-1)
-        return [(t, logprobs[j, t].item()) for j, t in enumerate(emitted)]
-
     @property
     def spec_acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        return self.speculator.acceptance_rate if self.speculator else 0.0
 
     def _append(self, seq: Sequence, token: int, logprob: float) -> None:
         seq.token_ids.append(token)
@@ -264,22 +226,24 @@ class LLMEngine:
         reason = self._finish_reason(seq)
         if reason is None:
             return
-        if seq.export_kv:  # a prefill-only request: copy its prompt KV out before the blocks go
-            seq.exported_kv = self.runner.read_kv(seq.block_table, seq.num_prompt_tokens)
+        if seq.on_finish:
+            seq.on_finish(seq)
         if seq.status == Status.RUNNING:
             self.scheduler.finish(seq, reason)
-        else:  # an imported request that stopped on its first token never entered the queue
+        else:  # admitted already finished (an imported request that stops on its first token): never queued
             self.block_manager.free_sequence(seq)
             seq.status, seq.finish_reason = Status.FINISHED, reason
-            self._finished_early.append(seq.request_id)
+            self.finished_on_admission.append(seq.request_id)
+
+    def _is_stop_token(self, seq: Sequence, token: int) -> bool:
+        return (not seq.params.ignore_eos and token in self.eos_token_ids) or token in seq.params.stop_token_ids
 
     def _finish_reason(self, seq: Sequence) -> str | None:
-        p, token = seq.params, seq.token_ids[-1]
-        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+        if self._is_stop_token(seq, seq.token_ids[-1]):
             return "stop"
-        if p.stop and self._stop_string_at(seq) is not None:
+        if seq.params.stop and self._stop_string_at(seq) is not None:
             return "stop"
-        if seq.num_output_tokens >= p.max_tokens:
+        if seq.num_output_tokens >= seq.params.max_tokens:
             return "length"
         return None
 
@@ -293,7 +257,7 @@ class LLMEngine:
         out = RequestOutput(request_id, seqs[0].token_ids[: seqs[0].num_prompt_tokens], finished=True)
         for seq in seqs:
             ids = seq.output_token_ids
-            if ids and (ids[-1] in self.eos_token_ids and not seq.params.ignore_eos or ids[-1] in seq.params.stop_token_ids):
+            if ids and self._is_stop_token(seq, ids[-1]):
                 ids = ids[:-1]  # the stop token itself is not part of the text
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             cut = self._stop_string_at(seq) if seq.params.stop else None
@@ -336,43 +300,15 @@ class LLMEngine:
 
     # -- prefill/decode disaggregation ----------------------------------------------------------
     def prefill(self, prompt: str | list[int], params: SamplingParams = SamplingParams()) -> KVPayload:
-        """Compute a prompt's KV and first token only, and hand them back (the prefill side).
-
-        Other requests in flight keep stepping meanwhile; the sequence's blocks are
-        released after the copy (its prefix stays in this engine's prefix cache)."""
-        request_id = self.add_request(prompt, params.model_copy(update={"n": 1, "max_tokens": 1, "stop": [], "stop_token_ids": []}))
-        seq = self.requests[request_id][0]
-        seq.export_kv = True
-        while not seq.is_finished:
-            failed = [out.error for out in self.step() if out.error is not None and out.request_id == request_id]
-            if failed:
-                raise failed[0]
-        self.requests.pop(request_id, None)
-        n = seq.num_prompt_tokens
-        rng_state = seq.generator.get_state() if seq.generator is not None else None
-        return KVPayload(seq.token_ids[:n], seq.token_ids[n], seq.output_logprobs[0], seq.exported_kv, self.runner.kv_layout, time.time(), rng_state)
+        """A prompt's KV and first token, for a decode engine elsewhere (see kv_transfer.export_prefill)."""
+        return kv_transfer.export_prefill(self, prompt, params)
 
     def add_prefilled(self, payload: KVPayload, params: SamplingParams = SamplingParams(), request_id: str | None = None) -> str:
         """Admit a request whose prompt KV and first token were computed elsewhere (the decode side).
 
         It waits in the queue holding its KV blocks, and decodes from its first token on."""
-        payload.check_compatible(self.runner.kv_layout)
-        self.check_prompt(payload.prompt_token_ids + [payload.first_token], params.max_tokens - 1)
-        if params.n != 1:
-            raise ValueError("a prefilled request carries one sample (n=1)")
-        if len(self.scheduler.waiting) >= self.scheduler.max_waiting:
-            raise QueueFullError(f"waiting queue is full ({self.scheduler.max_waiting} sequences); retry later")
         request_id = request_id or f"req-{next(self._request_ids)}"
-        seq = Sequence(request_id, payload.prompt_token_ids, params)
-        if params.seed is not None:
-            seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-            if payload.rng_state is not None:  # continue the prefill side's random stream
-                seq.generator.set_state(payload.rng_state)
-        if not self.block_manager.allocate_slots(seq, len(payload.prompt_token_ids)):
-            raise QueueFullError("no free KV blocks for the imported prompt; retry later")
-        self.runner.write_kv(seq.block_table, payload.kv)
-        seq.num_computed_tokens = len(payload.prompt_token_ids)
-        self.block_manager.cache_full_blocks(seq)
+        seq = kv_transfer.import_prefilled(self, payload, params, request_id)
         self.requests[request_id] = [seq]
         self._append(seq, payload.first_token, payload.first_logprob)
         if not seq.is_finished:

@@ -4,7 +4,9 @@ Plain single-device PyTorch. A step takes the new tokens of every scheduled
 sequence flattened into one batch (prefill chunks and decodes alike); attention
 reads each sequence's keys and values through its block table. q/k/v and gate/up
 projections are fused, so a layer makes four matmuls instead of seven.
-HF checkpoints load through ``hf_state_dict_to_engine`` beside the model.
+HF checkpoints load through ``hf_state_dict_to_engine`` beside the model. Backend
+specialisations (CPU kernels and weight layouts: ``engine.cpu``; int8: ``engine.quant``)
+swap modules of this model after it is built; nothing here knows of them.
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-from mlplat.engine import cpu_kernels
 
 
 @dataclass
@@ -36,8 +36,8 @@ class AttentionMetadata:
     # Reusable [blocks, block_size, KV, D] buffers for decode gathers (the runner keeps them across
     # steps): a fresh allocation per layer costs ~25% more, page faults included.
     gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
-    # Decodes attend through the C++ kernel that reads the paged cache in place (see cpu_kernels) instead of
-    # gathering their blocks for SDPA.
+    # Decodes attend through a kernel that reads the paged cache in place (engine.cpu's attention), so
+    # no gather groups are planned for them.
     decode_kernel: bool = False
 
     def __post_init__(self):
@@ -92,7 +92,7 @@ def decode_groups(context_lens: list[int], block_size: int) -> list[tuple[int, i
     return groups[::-1]
 
 
-def _head_dim(config: PretrainedConfig) -> int:
+def head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
@@ -107,15 +107,10 @@ class RopeTables:
 
     cos: torch.Tensor
     sin: torch.Tensor
-    cpu_kernel: bool = False
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, heads, D] rotated (HF's half-split convention, same arithmetic as its rotate_half).
-
-        In place where the C++ kernel runs: callers do not read ``x`` again."""
-        if self.cpu_kernel:
-            cpu_kernels.rotary_(x, self.cos, self.sin)
-            return x
+        A backend may rotate in place: callers do not read ``x`` again."""
         x1, x2 = x.chunk(2, dim=-1)
         return x * self.cos + torch.cat((x2, x1), dim=-1) * self.sin
 
@@ -123,13 +118,14 @@ class RopeTables:
 class Rotary(nn.Module):
     """Cos/sin tables for every position, from transformers' RoPE init (all rope scalings)."""
 
+    tables_class = RopeTables
+
     def __init__(self, config: PretrainedConfig, max_positions: int):
         super().__init__()
-        self.cpu_kernel = False  # set by the runner where the C++ kernels are loaded (CPU, fp32)
         rope_type = _rope_parameters(config)["rope_type"]
         if rope_type == "default":
             base = _rope_parameters(config).get("rope_theta", getattr(config, "rope_theta", 10000.0))
-            dim = _head_dim(config)
+            dim = head_dim(config)
             inv_freq, scale = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
         else:
             inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
@@ -141,39 +137,7 @@ class Rotary(nn.Module):
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """The tables at ``positions`` [T]."""
-        return RopeTables(self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype), self.cpu_kernel)
-
-
-class Linear(nn.Linear):
-    """nn.Linear that, on CPU, can run on two copies of its weight reordered for oneDNN instead.
-
-    After ``pack_weight_`` (see ``pack_linear_weights_``) it holds one layout blocked for batches
-    (batched decodes, prefill chunks: MKL's GEMM re-packs a plain weight on every call, which at
-    8-32 rows costs about as much as the arithmetic; oneDNN measured 1.3-2x faster) and one for a
-    single row (a decode alone: oneDNN's GEMV on it streams the weights at ~20 GB/s where MKL's
-    GEMV on the plain weight gets ~15, 2-core AVX2 CPU). The plain weight is dropped: its parameter
-    stays on the meta device, for its name and shape, so packing costs no memory over one copy
-    per layout."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.packed_weight: torch.Tensor | None = None  # blocked for batches of rows
-        self.gemv_weight: torch.Tensor | None = None  # blocked for one row
-
-    @torch.no_grad()
-    def pack_weight_(self, weight: torch.Tensor) -> None:
-        """Run on oneDNN copies of ``weight`` [out, in] from now on (also how a packed Linear loads new weights)."""
-        weight = weight.to(self.weight.dtype)
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
-        self.gemv_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-        if self.weight.device.type != "meta":
-            self.weight = nn.Parameter(self.weight.to("meta"), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is None:
-            return F.linear(x, self.weight, self.bias)
-        weight = self.gemv_weight if x.shape[0] == 1 else self.packed_weight
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, self.bias, "none", [], "")
+        return self.tables_class(self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
 
 
 class RMSNorm(nn.Module):
@@ -181,32 +145,19 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.cpu_kernel = False  # set by the runner where the C++ kernels are loaded (CPU, fp32)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """x normalized; with ``residual``, the skip connection's add first: (norm(x + residual), x + residual),
-        computed in place in x and residual by the C++ kernel."""
+        """x normalized; with ``residual``, the skip connection's add first: (norm(x + residual), x + residual)."""
         if residual is not None:
-            if self.cpu_kernel:
-                cpu_kernels.add_rms_norm_(x, residual, self.weight, self.eps)
-                return x, residual
             residual = residual + x
             return self(residual), residual
-        if self.cpu_kernel:
-            return cpu_kernels.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
 class SiluAndMul(nn.Module):
     """SwiGLU's activation, silu(gate) * up, of the fused gate/up projection's output [T, 2I]."""
 
-    def __init__(self):
-        super().__init__()
-        self.cpu_kernel = False  # set by the runner where the C++ kernels are loaded (CPU, fp32)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu_kernel:
-            return cpu_kernels.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -219,41 +170,51 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor |
     return torch.index_select(cache, 0, blocks, out=out[: len(blocks)]).flatten(0, 1)
 
 
-def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k=None, v=None) -> torch.Tensor:
-    """q [T, H, D] for the step's new tokens; caches [num_blocks, block_size, KV, D] already hold them.
+class PagedAttention(nn.Module):
+    """Attention of the step's queries over the paged KV cache: decodes first (batched in groups), then
+    each prefill chunk or speculative verify on its own. No parameters: a module so that a backend can
+    swap in its own decode path (engine.cpu)."""
 
-    ``k``, ``v`` [T, KV, D]: the step's new keys and values, so a prefill with nothing cached
-    attends to them directly instead of reading them back from the cache."""
-    num_heads, head_dim = q.shape[1:]
-    kv_heads = k_cache.shape[2]
-    outs = []
-    if meta.decode_kernel and meta.num_decodes:
-        n = meta.num_decodes
-        outs.append(cpu_kernels.paged_decode_attention(q[:n], k_cache, v_cache, meta.block_tables[:n], meta.context_lens[:n], scale))
-    for first, end, blocks, valid in meta.decode_groups:
-        # One query per sequence: gather the group's blocks once and attend in one call. GQA: the
-        # `group` query heads that share a KV head go in as that head's queries ([B, KV, group, D]), so
-        # each key and value is read once per KV head, not once per query head (no causal mask needed).
-        B = end - first
-        k_buf, v_buf = meta.gather_buffers or (None, None)
-        keys = gather_blocks(k_cache, blocks, k_buf).view(B, -1, kv_heads, head_dim).transpose(1, 2)  # [B, KV, L, D]
-        values = gather_blocks(v_cache, blocks, v_buf).view(B, -1, kv_heads, head_dim).transpose(1, 2)
-        qg = q[first:end].view(B, kv_heads, -1, head_dim)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=valid, scale=scale)  # [B, KV, group, D]
-        outs.append(out.reshape(B, num_heads, head_dim))
-    for start, n, ctx, blocks in meta.prefills:
-        qi = q[start : start + n].transpose(0, 1)  # [H, n, D]
-        if ctx == n and k is not None:  # nothing cached before this chunk: its own keys are all there is
-            ki, vi = k[start : start + n].transpose(0, 1), v[start : start + n].transpose(0, 1)
-        else:
-            ki, vi = gather_blocks(k_cache, blocks)[:ctx].transpose(0, 1), gather_blocks(v_cache, blocks)[:ctx].transpose(0, 1)
-        if ctx == n:
-            out = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
-        else:  # a chunk after cached tokens: query j sits at position ctx - n + j
-            mask = torch.arange(ctx, device=q.device)[None, :] <= torch.arange(ctx - n, ctx, device=q.device)[:, None]
-            out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
-        outs.append(out.transpose(0, 1))
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k=None, v=None) -> torch.Tensor:
+        """q [T, H, D] for the step's new tokens; caches [num_blocks, block_size, KV, D] already hold them.
+
+        ``k``, ``v`` [T, KV, D]: the step's new keys and values, so a prefill with nothing cached
+        attends to them directly instead of reading them back from the cache."""
+        outs = self.decode(q, k_cache, v_cache, meta, scale) + self.prefill(q, k_cache, v_cache, meta, scale, k, v)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> list[torch.Tensor]:
+        num_heads, head_dim = q.shape[1:]
+        kv_heads = k_cache.shape[2]
+        outs = []
+        for first, end, blocks, valid in meta.decode_groups:
+            # One query per sequence: gather the group's blocks once and attend in one call. GQA: the
+            # `group` query heads that share a KV head go in as that head's queries ([B, KV, group, D]), so
+            # each key and value is read once per KV head, not once per query head (no causal mask needed).
+            B = end - first
+            k_buf, v_buf = meta.gather_buffers or (None, None)
+            keys = gather_blocks(k_cache, blocks, k_buf).view(B, -1, kv_heads, head_dim).transpose(1, 2)  # [B, KV, L, D]
+            values = gather_blocks(v_cache, blocks, v_buf).view(B, -1, kv_heads, head_dim).transpose(1, 2)
+            qg = q[first:end].view(B, kv_heads, -1, head_dim)
+            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=valid, scale=scale)  # [B, KV, group, D]
+            outs.append(out.reshape(B, num_heads, head_dim))
+        return outs
+
+    def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k=None, v=None) -> list[torch.Tensor]:
+        outs = []
+        for start, n, ctx, blocks in meta.prefills:
+            qi = q[start : start + n].transpose(0, 1)  # [H, n, D]
+            if ctx == n and k is not None:  # nothing cached before this chunk: its own keys are all there is
+                ki, vi = k[start : start + n].transpose(0, 1), v[start : start + n].transpose(0, 1)
+            else:
+                ki, vi = gather_blocks(k_cache, blocks)[:ctx].transpose(0, 1), gather_blocks(v_cache, blocks)[:ctx].transpose(0, 1)
+            if ctx == n:
+                out = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+            else:  # a chunk after cached tokens: query j sits at position ctx - n + j
+                mask = torch.arange(ctx, device=q.device)[None, :] <= torch.arange(ctx - n, ctx, device=q.device)[:, None]
+                out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+            outs.append(out.transpose(0, 1))
+        return outs
 
 
 class Attention(nn.Module):
@@ -261,10 +222,11 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = _head_dim(config)
+        self.head_dim = head_dim(config)
         bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
-        self.qkv_proj = Linear(config.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim, bias=bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        self.qkv_proj = nn.Linear(config.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        self.attn = PagedAttention()
         self.qk_norm = config.model_type == "qwen3"  # Qwen3 normalises each head's q and k
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -282,7 +244,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         k_cache.view(-1, KV, D).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, KV, D).index_copy_(0, meta.slot_mapping, v)
-        out = paged_attention(q, k_cache, v_cache, meta, D**-0.5, k, v)
+        out = self.attn(q, k_cache, v_cache, meta, D**-0.5, k, v)
         return self.o_proj(out.reshape(T, -1))
 
 
@@ -290,8 +252,8 @@ class MLP(nn.Module):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act = SiluAndMul()
 
     def forward(self, x):
@@ -325,7 +287,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config, max_positions)
@@ -338,35 +300,6 @@ class CausalLM(nn.Module):
             x, residual = layer(x, residual, rope, kv_cache, meta)
         x, _ = self.norm(x[logits_indices], residual[logits_indices])
         return self.lm_head(x)
-
-
-def use_cpu_kernels_(model: nn.Module, enabled: bool) -> None:
-    """Run the norms, the activation and RoPE on the C++ kernels (CPU, fp32, built) or on ATen."""
-    for module in model.modules():
-        if isinstance(module, (RMSNorm, SiluAndMul, Rotary)):
-            module.cpu_kernel = enabled
-
-
-def store_linear_weights_input_major_(model: nn.Module) -> None:
-    """Keep each Linear weight [out, in] as a transposed view of an [in, out] tensor, in place.
-
-    F.linear then hands MKL a plain (non-transposed) weight, which on CPU runs the small-batch
-    GEMMs of decoding 1.3-2x faster. Shapes, names and in-place loading are unchanged. A head
-    tied to the embedding keeps the embedding's row-major layout (its lookups need rows)."""
-    tied = getattr(model, "embed_tokens", None)
-    for module in model.modules():
-        if isinstance(module, nn.Linear) and (tied is None or module.weight is not tied.weight):
-            module.weight = nn.Parameter(module.weight.detach().t().contiguous().t(), requires_grad=module.weight.requires_grad)
-
-
-def pack_linear_weights_(model: nn.Module) -> None:
-    """Move every ``Linear`` onto oneDNN copies of its current weight, dropping the plain one (see Linear).
-
-    A head tied to the embedding stays as it is: it shares the embedding's row-major storage."""
-    tied = getattr(model, "embed_tokens", None)
-    for module in model.modules():
-        if isinstance(module, Linear) and module.packed_weight is None and (tied is None or module.weight is not tied.weight):
-            module.pack_weight_(module.weight.detach())
 
 
 def hf_state_dict_to_engine(items, config: PretrainedConfig):

@@ -37,6 +37,9 @@ class Int8Linear(nn.Module):
 
     @torch.no_grad()
     def load_weight(self, weight: torch.Tensor) -> None:
+        """Quantize ``weight`` [out, in] into this module's buffers, in place."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"shape {tuple(weight.shape)} != {(self.out_features, self.in_features)}")
         q, scale = quantize_per_channel(weight.to(self.qweight.device))
         self.qweight.copy_(q)
         self.scale.copy_(scale)
@@ -65,7 +68,7 @@ def weight_bytes(model: nn.Module, include_packed: bool = True) -> int:
     """Bytes of parameters and buffers that hold weights (the KV cache is not part of the model).
 
     ``include_packed``: what the model holds in memory, with the oneDNN copies that packed CPU fp32
-    linears run on instead of their plain weight (model.Linear; that parameter is then a meta
+    linears run on instead of their plain weight (engine.cpu.PackedLinear; its parameter is then a meta
     placeholder). False: the checkpoint's weights, every parameter at its shape and dtype."""
     seen, total = set(), 0
     for t in [*model.parameters(), *(b for n, b in model.named_buffers() if n.endswith(("qweight", "scale")))]:

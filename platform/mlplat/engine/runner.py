@@ -12,18 +12,10 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from mlplat.engine import cpu_kernels
+from mlplat.engine import cpu, cpu_kernels
 from mlplat.engine.config import EngineConfig
-from mlplat.engine.model import (
-    AttentionMetadata,
-    CausalLM,
-    Linear,
-    hf_state_dict_to_engine,
-    pack_linear_weights_,
-    store_linear_weights_input_major_,
-    use_cpu_kernels_,
-)
-from mlplat.engine.quant import Int8Linear, quantize_int8_
+from mlplat.engine.model import AttentionMetadata, CausalLM, head_dim, hf_state_dict_to_engine
+from mlplat.engine.quant import quantize_int8_
 from mlplat.engine.sequence import Sequence
 from mlplat.errors import CheckpointError
 from mlplat.models.checkpoint import validate_checkpoint_dir
@@ -77,25 +69,25 @@ class ModelRunner:
         self.max_model_len = cfg.max_model_len or self.hf_config.max_position_embeddings
         with torch.device(self.device):
             self.model = CausalLM(self.hf_config, self.max_model_len).to(self.dtype)
-        # fp32 on CPU: matmuls run on oneDNN-packed copies of the weights (see model.Linear).
+        # fp32 on CPU: matmuls run on oneDNN-packed copies of the weights (engine.cpu.PackedLinear).
         cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
-        self.pack_weights = cfg.cpu_packed_weights and cpu_fp32 and cfg.quantization is None and torch.backends.mkldnn.is_available()
+        self.pack_weights = cfg.cpu_packed_weights and cpu_fp32 and cfg.quantization is None and cpu.can_pack_weights()
         if self.device.type == "cpu" and not self.pack_weights:
-            store_linear_weights_input_major_(self.model)
+            cpu.store_linear_weights_input_major_(self.model)
         self.update_weights(read_safetensors(model_dir))
         if self.pack_weights:
-            pack_linear_weights_(self.model)
+            cpu.pack_linear_weights_(self.model)
         if cfg.quantization == "int8":
             quantize_int8_(self.model)
         self.model.eval()
 
         c = self.hf_config
         self.block_size = cfg.block_size
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        block_bytes = c.num_hidden_layers * 2 * cfg.block_size * c.num_key_value_heads * head_dim * self.dtype.itemsize
+        head_size = head_dim(c)
+        block_bytes = c.num_hidden_layers * 2 * cfg.block_size * c.num_key_value_heads * head_size * self.dtype.itemsize
         self.num_blocks = cfg.num_kv_blocks or max(1, int(cfg.kv_cache_memory_gb * 2**30) // block_bytes)
         # [layers, k/v, blocks, block_size, kv_heads, head_dim], allocated once.
-        shape = (c.num_hidden_layers, 2, self.num_blocks, cfg.block_size, c.num_key_value_heads, head_dim)
+        shape = (c.num_hidden_layers, 2, self.num_blocks, cfg.block_size, c.num_key_value_heads, head_size)
         if self.device.type == "cpu":
             self.kv_cache = zeros_on_huge_pages(shape, self.dtype)
         else:
@@ -103,11 +95,12 @@ class ModelRunner:
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # grown on demand, see AttentionMetadata
         self.use_cpu_kernels = cfg.cpu_kernels and cpu_fp32 and cpu_kernels.load()
-        self.decode_kernel = self.use_cpu_kernels and cpu_kernels.supports_decode_attention(head_dim, c.num_attention_heads, c.num_key_value_heads)
+        self.decode_kernel = self.use_cpu_kernels and cpu_kernels.supports_decode_attention(head_size, c.num_attention_heads, c.num_key_value_heads)
         if self.use_cpu_kernels and not self.decode_kernel:
             log.warning("no CPU attention kernel for head_dim %d with %d query heads per KV head; decodes use gather + SDPA",
-                        head_dim, c.num_attention_heads // c.num_key_value_heads)
-        use_cpu_kernels_(self.model, self.use_cpu_kernels)
+                        head_size, c.num_attention_heads // c.num_key_value_heads)
+        if self.use_cpu_kernels:
+            cpu.use_cpu_kernels_(self.model, decode_attention=self.decode_kernel)
 
     @property
     def kv_layout(self) -> dict:
@@ -119,26 +112,24 @@ class ModelRunner:
         """Copy HF-named tensors into the live parameters in place (no reallocation, KV cache untouched)."""
         params = dict(self.model.named_parameters())
         modules = dict(self.model.named_modules())
+        head, tied = self.model.lm_head, self.hf_config.tie_word_embeddings
         loaded = 0
         for name, tensor in hf_state_dict_to_engine(items, self.hf_config):
             module_name, _, attr = name.rpartition(".")
             module = modules.get(module_name)
-            if isinstance(module, Int8Linear) and attr == "weight":
-                expected = (module.out_features, module.in_features)
-                if tuple(tensor.shape) != expected:
-                    raise CheckpointError(f"weight {name!r}: shape {tuple(tensor.shape)} != {expected}")
-                module.load_weight(tensor)  # re-quantized in place
+            if attr == "weight" and hasattr(module, "load_weight"):  # swapped in (packed, int8): it keeps its own form
+                try:
+                    module.load_weight(tensor.to(self.device))
+                except ValueError as err:
+                    raise CheckpointError(f"weight {name!r}: {err}") from None
             elif name in params:
                 if params[name].shape != tensor.shape:
                     raise CheckpointError(f"weight {name!r}: shape {tuple(tensor.shape)} != {tuple(params[name].shape)}")
-                if isinstance(module, Linear) and module.packed_weight is not None and attr == "weight":
-                    module.pack_weight_(tensor.to(self.device))  # packed: there is no plain weight to copy into
-                else:
-                    params[name].copy_(tensor)
-                if name == "embed_tokens.weight" and isinstance(self.model.lm_head, Int8Linear):
-                    self.model.lm_head.load_weight(tensor)  # tied: the quantized head is a copy
+                params[name].copy_(tensor)
             else:
                 raise CheckpointError(f"unexpected weight {name!r} for model_type {self.hf_config.model_type!r}")
+            if name == "embed_tokens.weight" and tied and hasattr(head, "load_weight"):
+                head.load_weight(tensor.to(self.device))  # a swapped-in head tied to the embedding holds its own copy
             loaded += 1
         return loaded
 

@@ -30,9 +30,13 @@ class Scheduler:
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
 
-    def add(self, seqs: list[Sequence]) -> None:
-        if len(self.waiting) + len(seqs) > self.max_waiting:
+    def check_room(self, num_seqs: int) -> None:
+        """QueueFullError unless ``num_seqs`` more sequences fit in the waiting queue."""
+        if len(self.waiting) + num_seqs > self.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.max_waiting} sequences); retry later")
+
+    def add(self, seqs: list[Sequence]) -> None:
+        self.check_room(len(seqs))
         self.waiting.extend(seqs)
 
     @property
@@ -74,7 +78,9 @@ class Scheduler:
             cached = self.block_manager.cached_prefix(seq) if fresh else []
             n = min(len(seq) - len(cached) * self.block_manager.block_size - seq.num_computed_tokens, budget)
             if not self.block_manager.allocate_slots(seq, n, cached, after_lookup=fresh):
-                break
+                if self.running or not self._reclaim_waiting_blocks(seq):
+                    break
+                continue  # the head again, with the blocks taken back
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -82,6 +88,18 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(skipped))
         return scheduled
+
+    def _reclaim_waiting_blocks(self, head: Sequence) -> bool:
+        """Nothing runs, so nothing will free blocks, yet the head of the queue does not fit: free the
+        blocks that a waiting sequence holds (one imported with its prompt's KV, the latest first); it
+        is recomputed when its turn comes, like a preempted one. Without this, imported requests that
+        hold the whole cache wait for each other forever."""
+        holder = next((s for s in reversed(self.waiting) if s is not head and s.block_table), None)
+        if holder is None:
+            return False
+        self.block_manager.free_sequence(holder)
+        self.num_preemptions += 1
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free_sequence(seq)

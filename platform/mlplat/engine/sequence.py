@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum, auto
 from itertools import count
 
@@ -35,8 +36,7 @@ class Sequence:
         self.output_logprobs: list[float] = []
         self.generator: torch.Generator | None = None
         self.leader: Sequence | None = None  # n > 1: sample 0, whose prefill the others reuse
-        self.export_kv = False  # prefill-only: copy the prompt's KV out when it finishes
-        self.exported_kv: torch.Tensor | None = None
+        self.on_finish: Callable[[Sequence], None] | None = None  # called as it finishes, before its blocks are freed
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from mlplat.engine.block_manager import BlockManager
-from mlplat.engine.config import SpeculativeConfig
+from mlplat.engine.config import EngineConfig, SpeculativeConfig
 from mlplat.engine.sampling import SamplingParams, probs
 from mlplat.engine.sequence import Sequence
 
@@ -114,3 +114,59 @@ class DraftModelDrafter:
         """Free the mirrors of sequences that finished or were aborted."""
         for seq_id in [s for s in self.mirrors if s not in live_seq_ids]:
             self.blocks.free_sequence(self.mirrors.pop(seq_id))
+
+
+def build_drafter(cfg: EngineConfig, target_vocab_size: int):
+    spec = cfg.speculative
+    if spec.method == "ngram":
+        return NgramDrafter(spec)
+    if spec.draft_model is None:
+        raise ValueError("speculative.draft_model is required for method 'draft_model'")
+    from mlplat.engine.runner import ModelRunner
+
+    runner = ModelRunner(cfg.model_copy(update={"model": spec.draft_model, "speculative": None, "quantization": None}))
+    if runner.hf_config.vocab_size != target_vocab_size:
+        raise ValueError(
+            f"draft model vocab ({runner.hf_config.vocab_size}) differs from the target's "
+            f"({target_vocab_size}): they must share a tokenizer"
+        )
+    return DraftModelDrafter(runner, cfg.block_size)
+
+
+class Speculator:
+    """Speculative decoding inside the engine's step: ``propose`` appends drafts to the decoding
+    sequences before the forward pass (with KV slots for them), ``accept`` takes them back off after
+    it and returns the tokens to emit, with their log-probs."""
+
+    def __init__(self, cfg: EngineConfig, block_manager: BlockManager, max_model_len: int, target_vocab_size: int):
+        self.k = cfg.speculative.num_speculative_tokens
+        self.drafter = build_drafter(cfg, target_vocab_size)
+        self.block_manager, self.max_model_len = block_manager, max_model_len
+        self.num_draft_tokens = self.num_accepted_tokens = 0
+
+    def propose(self, batch: list[tuple[Sequence, int]], live_seq_ids: set[int]) -> list[list[int]]:
+        """Draft tokens per scheduled sequence ([] where none)."""
+        self.drafter.retain(live_seq_ids)
+        drafts: list[list[int]] = [[] for _ in batch]
+        decoding = [i for i, (s, n) in enumerate(batch) if s.num_output_tokens > 0 and s.num_computed_tokens + n == len(s)]
+        budgets = [min(self.k, s.params.max_tokens - s.num_output_tokens - 1, self.max_model_len - len(s) - 1) for s in (batch[i][0] for i in decoding)]
+        for i, d in zip(decoding, self.drafter.propose([batch[i][0] for i in decoding], budgets)):
+            seq, n = batch[i]
+            if d and self.block_manager.allocate_slots(seq, n + len(d)):
+                seq.token_ids += d
+                drafts[i] = d
+        return drafts
+
+    def accept(self, seq: Sequence, rows: torch.Tensor, drafts: list[int]) -> list[tuple[int, float]]:
+        """Take the drafts back off ``seq`` (they join it only once verified) and verify them against the
+        target's ``rows`` [len(drafts) + 1, V]: the tokens to emit, with their log-probs."""
+        del seq.token_ids[len(seq) - len(drafts) :]
+        emitted = verify(rows, drafts, seq.params, seq.generator)
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_tokens += len(emitted) - 1
+        logprobs = torch.log_softmax(rows.float(), dim=-1)
+        return [(t, logprobs[j, t].item()) for j, t in enumerate(emitted)]
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
