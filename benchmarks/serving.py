@@ -32,8 +32,8 @@ comparison generate the same tokens.
    (512-768 tokens) asking for 16; engine defaults otherwise (max_num_batched_tokens 2048: a
    long prompt is one prefill step). Reported: TTFT and ITL p50/p99, output tokens/s, goodput =
    requests/s meeting both SLOs (TTFT <= --ttft-slo, 1 s; no gap between two tokens longer than
-   --itl-slo, 0.25 s: a visible freeze of the stream), errors (non-2xx other than 429, broken or
-   short streams, exceptions) and 429s apart.
+   --itl-slo, 0.25 s: a visible freeze of the stream), errors (non-2xx other than a 503 overload or
+   a 429 rate limit, broken or short streams, exceptions) and those rejections apart.
 2. Prefix routing: the PD app with 2 prefill replicas (+1 decode), prefix-aware vs round-robin
    prefill router, same trace: 3 requests/s, each one of 16 system prompts (512 tokens) plus
    its own 16-64-token question, 4 output tokens (TTFT is the point). Each replica's KV cache
@@ -66,7 +66,7 @@ the 14 replica processes, each importing torch, transformers and Ray Serve: setu
 85-100 s here then, 100-280 s with other jobs running.
 
 JSON fields: itl_p99_colocated_over_pd, ttft_p99_colocated_over_pd, goodput_pd_over_colocated,
-prefix_routing_ttft_speedup, errors (all runs), rejected_429, throughput_pd_over_colocated and
+prefix_routing_ttft_speedup, errors (all runs), rejected (503 overloaded or 429), throughput_pd_over_colocated and
 the p50 ratios, the stats behind them per app (pd, colocated, prefix_aware, round_robin), slo,
 block_accounting_ok and block_accounting (per run: free KV blocks and prefix-cache hit rate
 per replica), runs (per run: wall time, other processes' CPU share), setup (quick, cpu_count,
@@ -109,6 +109,7 @@ PREFIX_ENGINE = {"block_size": 16, "num_kv_blocks": 320}  # ~9 of the 16 system 
 REPLICA = {"num_cpus": 0.25}
 INGRESS = {"num_cpus": 0.1}
 MODEL_NAME = "bench"
+REJECTED = (503, 429)  # the ingress shedding load (overloaded), a tenant over its rate limit
 MIXED_RATE, LONG_FRACTION = 2.5, 0.3  # requests/s; share of long prompts
 PREFIX_RATE, SYSTEM_PROMPTS, SYSTEM_PROMPT_LEN = 3.0, 16, 512
 
@@ -222,9 +223,9 @@ def summarize(results: list[dict], span_s: float, ttft_slo: float, itl_slo: floa
     itl, ttft = [g for r in ok for g in r["itl"]], [r["ttft"] for r in ok]
     good = [r for r in ok if r["ttft"] <= ttft_slo and max(r["itl"], default=0.0) <= itl_slo]
     return {
-        "requests": len(results), "ok": len(ok), "rejected_429": sum(r["status"] == 429 for r in results),
-        "errors": sum(r["status"] not in (200, 429) for r in results),
-        "error_samples": sorted({f"{r['status']}: {r.get('detail')}" for r in results if r["status"] not in (200, 429)})[:5],
+        "requests": len(results), "ok": len(ok), "rejected": sum(r["status"] in REJECTED for r in results),
+        "errors": sum(r["status"] not in (200, *REJECTED) for r in results),
+        "error_samples": sorted({f"{r['status']}: {r.get('detail')}" for r in results if r["status"] not in (200, *REJECTED)})[:5],
         # The engine streams the last two tokens together (it holds back the newest one in case it is a stop
         # token), so a stream is max_tokens - 1 chunks; fewer means merged chunks and a coarser ITL.
         "merged_streams": sum(r["chunks"] < r["max_tokens"] - 1 for r in ok),
@@ -307,7 +308,7 @@ def compare(port: int, apps: dict[str, ServeConfig], traces: list[list[Request]]
             s = summarize(out, span, *slo)
             print(
                 f"  run {r} {name:13} {len(out):3} requests: ttft p99 {s['ttft_p99_s']:.3f} s, itl p99 {s['itl_p99_s']:.3f} s, "
-                f"errors {s['errors']}, 429s {s['rejected_429']}, idle and all KV blocks free after: {check['idle']}; "
+                f"errors {s['errors']}, rejected (503/429) {s['rejected']}, idle and all KV blocks free after: {check['idle']}; "
                 f"other processes took {others:.0%} of the CPUs",
                 flush=True,
             )
@@ -370,7 +371,7 @@ def main() -> None:
         "goodput_pd_over_colocated": ratio(pd["goodput_req_s"], colo["goodput_req_s"]),
         "prefix_routing_ttft_speedup": ratio(rr["ttft_mean_s"], pa["ttft_mean_s"]),  # mean TTFT, round robin / prefix-aware
         "errors": sum(s["errors"] for s in stats.values()),
-        "rejected_429": sum(s["rejected_429"] for s in stats.values()),
+        "rejected": sum(s["rejected"] for s in stats.values()),
         "throughput_pd_over_colocated": ratio(pd["output_tokens_per_s"], colo["output_tokens_per_s"]),
         "itl_p50_colocated_over_pd": ratio(colo["itl_p50_s"], pd["itl_p50_s"]),
         "itl_max_colocated_over_pd": ratio(colo["itl_max_s"], pd["itl_max_s"]),
@@ -412,7 +413,7 @@ def main() -> None:
     print(f"prefill replicas' prefix-cache hit rates (of prompt tokens, warm-up included): {hit_rates}")
     noise = max(r["other_processes_cpu_share"] for k, r in runs.items() if k != "deploy")
     print(
-        f"errors {report['errors']}, 429s {report['rejected_429']}, block accounting ok: {report['block_accounting_ok']}, "
+        f"errors {report['errors']}, rejected (503/429) {report['rejected']}, block accounting ok: {report['block_accounting_ok']}, "
         f"other processes' share of the CPUs during runs: up to {noise:.0%}, "
         f"wall {report['bench_wall_s']:.0f} s"
     )
