@@ -392,4 +392,5 @@ def test_mlplat_serve_stops_on_ctrl_c_while_deploying(ray_cluster, tiny_model):
     finally:
         if process.poll() is None:
             os.kill(process.pid, signal.SIGKILL)
+            serve.delete("ctrl-c")  # a failed stop must not leave replicas holding the suite's CPUs
     assert "ctrl-c" not in serve.status().applications

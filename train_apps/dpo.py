@@ -83,7 +83,7 @@ def train_loop_per_worker(config: dict) -> None:
     held_out = read_preference_pairs(cfg.eval_data, tokenizer, cfg.data.max_seq_len) if cfg.eval_data and logger else None
     if held_out and state.step == 0:
         logger.log_metrics(_prefixed(held_out_margins(unwrap(policy), reference, held_out, tokenizer, cfg.beta, device), "eval_before"))
-    window = MetricWindow()
+    window = MetricWindow(device)
 
     while state.step < cfg.max_steps:
         batch = {k: v.to(device) for k, v in loader.next().items()}

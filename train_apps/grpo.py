@@ -37,7 +37,6 @@ import numpy as np
 import ray
 import ray.train
 import torch
-import torch.distributed as dist
 from pydantic import BaseModel, Field, model_validator
 from ray.data.collate_fn import NumpyBatchCollateFn
 
@@ -55,16 +54,8 @@ from mlplat.train.checkpoint import CheckpointMeta
 from mlplat.train.losses import group_advantages, grpo_loss, token_logprobs
 from mlplat.train.optim import OptimizerConfig
 from mlplat.train.parallel import full_state_dict
-from mlplat.train.recipe import (
-    MetricWindow,
-    RecipeConfig,
-    RecipeRun,
-    reduce_over_ranks,
-    save_and_report,
-    train_shard,
-    trainable,
-    worker_setup,
-)
+from mlplat.train import collectives
+from mlplat.train.recipe import MetricWindow, RecipeConfig, RecipeRun, save_and_report, train_shard, trainable, worker_setup
 
 
 class GRPOConfig(RecipeConfig):
@@ -154,13 +145,13 @@ def train_loop_per_worker(config: dict) -> None:
     policy, optimizer, scheduler, state = trainable(load_model(config["model_dir"]), cfg, device)
     reference = load_model(config["model_dir"], device=device).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
     if state.step > 0:  # restarted from a checkpoint: the actors may hold other weights
-        sync_weights(policy, rollout_workers, rank)
+        sync_weights(policy, rollout_workers, rank, device)
     meta = CheckpointMeta(base_model=config["model_dir"], format="consolidated")
     sampling = {"n": cfg.group_size, "max_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p}
     eval_rows = read_eval_rows(cfg.eval_data, cfg.eval_limit) if cfg.eval_data and logger else None
     if eval_rows and state.step == 0:
         logger.log_metrics({"eval/exact_match_before": held_out_exact_match(my_rollout, eval_rows, cfg.max_new_tokens)}, step=0)
-    window, max_logprob_diff = MetricWindow(), 0.0
+    window, max_logprob_diff = MetricWindow(device, maxima=("rollout/logprob_diff_max", "run/logprob_diff_max")), 0.0
 
     while state.step < cfg.max_steps:
         rows = loader.next()
@@ -189,7 +180,7 @@ def train_loop_per_worker(config: dict) -> None:
         for _ in range(cfg.ppo_epochs):
             for mb in torch.arange(len(samples)).split(rows_per_mini_batch):
                 # Token-level mean over every rank's mini-batch: DDP averages gradients over ranks.
-                global_tokens = reduce_over_ranks(mask[mb].sum().item(), dist.ReduceOp.SUM)
+                global_tokens = collectives.reduce_value(mask[mb].sum().item(), device)
                 logprobs, _ = policy_logprobs(policy, {k: v[mb] for k, v in batch.items()})
                 loss, mb_stats = grpo_loss(
                     logprobs, old_logprobs[mb], batch["advantages"][mb], mask[mb], cfg.clip_ratio,
@@ -204,7 +195,7 @@ def train_loop_per_worker(config: dict) -> None:
         train_s = time.perf_counter() - start
 
         start = time.perf_counter()
-        sync_weights(policy, rollout_workers, rank)
+        sync_weights(policy, rollout_workers, rank, device)
         sync_s = time.perf_counter() - start
 
         state.step += 1
@@ -213,13 +204,13 @@ def train_loop_per_worker(config: dict) -> None:
         window.add({
             "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item(), "entropy": step_entropy,
             "response_length": completion_tokens / len(samples), "grad_norm": float(grad_norm), "loss": loss.item(),
-            "rollout/tokens_per_s": completion_tokens / rollout_s, "rollout/logprob_diff_max": logprob_diff,
+            "rollout/tokens_per_s": completion_tokens / rollout_s, "rollout/logprob_diff_max": logprob_diff, "run/logprob_diff_max": max_logprob_diff,
             "time/rollout_s": rollout_s, "time/reward_s": reward_s, "time/train_s": train_s, "time/sync_s": sync_s, **stats,
         })  # fmt: skip
 
         last = state.step == cfg.max_steps
         if state.step % cfg.log_every == 0 or last:
-            metrics = {**window.pop(), "lr": scheduler.get_last_lr()[0], "run/logprob_diff_max": reduce_over_ranks(max_logprob_diff, dist.ReduceOp.MAX)}
+            metrics = {**window.pop(), "lr": scheduler.get_last_lr()[0]}
             metrics["rollout/tokens_per_s"] *= world_size  # every rank's rollouts together
             if last and eval_rows:
                 metrics["eval/exact_match"] = held_out_exact_match(my_rollout, eval_rows, cfg.max_new_tokens)
@@ -243,7 +234,7 @@ def export_metrics(metrics: dict[str, float], run_id: str) -> None:
         oc.TRAIN_STEP_PHASE_SECONDS.set(metrics[f"time/{phase}_s"], phase=phase, rank="0", **job)
 
 
-def sync_weights(policy, rollout_workers: list, rank: int) -> None:
+def sync_weights(policy, rollout_workers: list, rank: int, device: torch.device) -> None:
     """Push the policy's full weights into every rollout actor in place; all ranks wait for it.
 
     One ``ray.put`` of the CPU state dict, read by every actor through the object store (a
@@ -252,8 +243,7 @@ def sync_weights(policy, rollout_workers: list, rank: int) -> None:
     if rank == 0:
         ref = ray.put({name: tensor.detach().cpu() for name, tensor in state.items()})
         ray.get([worker.update_weights.remote(ref) for worker in rollout_workers])
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()  # no rank samples from the old weights
+    collectives.barrier(device)  # no rank samples from the old weights
 
 
 def held_out_exact_match(rollout_worker, rows: list[dict], max_new_tokens: int) -> float:

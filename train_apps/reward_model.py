@@ -62,7 +62,7 @@ def train_loop_per_worker(config: dict) -> None:
     loader = train_shard(cfg.batch_size_per_worker, cfg.seed, PairCollate(tokenizer.pad_token_id), ray.train.get_checkpoint())
     model, optimizer, scheduler, state = trainable(load_reward_model(config["model_dir"]), cfg, device)
     meta = CheckpointMeta(base_model=config["model_dir"], format="consolidated")
-    window = MetricWindow()
+    window = MetricWindow(device)
 
     while state.step < cfg.max_steps:
         batch = {k: v.to(device) for k, v in loader.next().items()}

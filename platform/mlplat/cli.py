@@ -158,7 +158,8 @@ def _run(args: argparse.Namespace) -> None:
 
 def _serve(cfg, address: str | None) -> None:
     """Deploy and wait; Ctrl-C stops it in every state, deploying included."""
-    import time
+    import signal
+    import threading
 
     import ray
 
@@ -167,6 +168,15 @@ def _serve(cfg, address: str | None) -> None:
     from serve_apps.llm import run as run_app
 
     init_ray(address, num_training_workers=0)
+    # Ctrl-C can land inside library code that swallows KeyboardInterrupt (a broad except around an
+    # import, say): the flag remembers it, and the app is stopped as soon as the deploy call returns.
+    interrupted = threading.Event()
+
+    def on_sigint(signum, frame):
+        interrupted.set()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
     try:
         resources = ray.cluster_resources()
         try:
@@ -176,9 +186,12 @@ def _serve(cfg, address: str | None) -> None:
         if note:
             print(f"mlplat serve: {note}", flush=True)
         print("deploying (Ctrl-C to stop) ...", flush=True)
-        print(f"OpenAI API at {run_app(cfg)} (Ctrl-C to stop)", flush=True)
-        while True:
-            time.sleep(3600)
+        url = run_app(cfg)
+        if interrupted.is_set():
+            raise KeyboardInterrupt
+        print(f"OpenAI API at {url} (Ctrl-C to stop)", flush=True)
+        interrupted.wait()  # Ctrl-C's handler raises KeyboardInterrupt out of the wait
+        raise KeyboardInterrupt
     except KeyboardInterrupt:
         print("stopping ...", file=sys.stderr, flush=True)
         from ray import serve

@@ -22,7 +22,6 @@ from pathlib import Path
 import ray
 import ray.train
 import torch
-import torch.distributed as dist
 from pydantic import Field
 
 from mlplat.config import Config
@@ -31,6 +30,7 @@ from mlplat.health.hang import HangConfig, HangWatchdog
 from mlplat.health.straggler import StragglerConfig, StragglerDetector, StragglerError
 from mlplat.observability.catalogue import TRAIN_RANK_SLOWDOWN
 from mlplat.tracking import RunLogger
+from mlplat.train import collectives
 
 log = logging.getLogger("mlplat.health")
 
@@ -80,11 +80,7 @@ class RankHealth:
 
     def _gather_nodes(self) -> list[dict[str, str]]:
         me = {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address()}
-        if self.world_size == 1:
-            return [me]
-        nodes: list = [None] * self.world_size
-        dist.all_gather_object(nodes, me)
-        return nodes
+        return collectives.all_gather_object(me)
 
     def inject_faults(self, step: int) -> None:
         """Debug hooks: sleep (a slow rank) or stop for good (a hung rank) before ``step``."""
@@ -102,10 +98,8 @@ class RankHealth:
         """Compare this window's local step times across ranks (a collective: call on every rank); metrics for rank 0 to log."""
         if not self.cfg.straggler.enabled or self.world_size == 1:
             return {}
-        local = torch.tensor([sum(metrics[f"time/{p}_s"] for p in LOCAL_PHASES)], dtype=torch.float64, device=self.device)
-        gathered = [torch.zeros_like(local) for _ in range(self.world_size)]
-        dist.all_gather(gathered, local)
-        seconds = [float(t) for t in gathered]
+        local = torch.tensor([sum(metrics[f"time/{p}_s"] for p in LOCAL_PHASES)], dtype=torch.float64)
+        seconds = [float(t) for t in collectives.all_gather(local, self.device)]
         verdict = self.detector.observe(seconds)  # the same on every rank: all of them stop together, or none
         if self.rank == 0:
             for rank, slowdown in enumerate(verdict.slowdowns):

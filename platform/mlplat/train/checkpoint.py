@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel
 from torch.distributed.checkpoint.state_dict import (
@@ -36,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from mlplat.data.loader import DataPosition
 from mlplat.errors import CheckpointError
+from mlplat.train import collectives
 from mlplat.train.lora import is_lora, merge_and_export
 from mlplat.train.parallel import full_state_dict, load_sharded, save_sharded, unwrap
 
@@ -63,10 +63,6 @@ class TrainState(BaseModel):
     bad_steps_in_row: int = 0
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def save_checkpoint(
     directory: Path,
     model: torch.nn.Module,
@@ -84,11 +80,11 @@ def save_checkpoint(
     else:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_state, optim_state = get_state_dict(model, optimizer, options=options)
-        if _rank() == 0:
+        if collectives.rank() == 0:
             torch.save({"model": model_state, "optimizer": optim_state}, directory / FULL_STATE)
     if export_hf:
         export_hf_model(directory / MODEL_DIR, model, tokenizer)
-    if _rank() == 0:
+    if collectives.rank() == 0:
         torch.save(
             {"state": state.model_dump(), "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()},
             directory / TRAIN_STATE,
@@ -131,7 +127,7 @@ def read_train_state(checkpoint: Checkpoint) -> TrainState:
 def export_hf_model(out_dir: Path, model: torch.nn.Module, tokenizer=None) -> None:
     """Save a plain HF checkpoint of ``model`` on rank 0 (a collective gather under FSDP)."""
     state = full_state_dict(model)
-    if _rank() != 0:
+    if collectives.rank() != 0:
         return
     hf_model = unwrap(model)
     if is_lora(hf_model):  # LoRA: adapters merged into the base weights, a plain HF checkpoint

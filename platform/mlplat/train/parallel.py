@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
@@ -30,6 +29,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from mlplat.config import Config
+from mlplat.train import collectives
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -45,18 +45,6 @@ class ParallelConfig(Config):
     # gradients reduced in reduce_dtype; the sharded master weights and optimizer stay fp32.
     param_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if _distributed() else 1
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
 
 
 def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
@@ -96,7 +84,7 @@ def _no_kv_cache_with_grad(module: torch.nn.Module, args: tuple, kwargs: dict) -
 
 def apply_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     model = model.to(device)
-    if _world_size() == 1:
+    if collectives.world_size() == 1:
         return model
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" and device.index is not None else None)
 
@@ -108,13 +96,13 @@ def apply_fsdp(model: PreTrainedModel, cfg: ParallelConfig, device: torch.device
     and free them after, overlapping the all-gather of layer i+1 with the compute of layer
     i. Tied embeddings stay correct because both uses belong to the root unit.
     """
-    if not _distributed():
+    if not collectives.active():
         raise RuntimeError("strategy 'fsdp' needs an initialised process group (Ray Train sets one up per worker)")
     # The model arrives fully materialised on CPU: moving it to the device first costs one
     # full copy per rank for a moment. Models too large for that need meta-device init and
     # a sharded load instead (load_sharded, or set_model_state_dict with broadcast_from_rank0).
     model.to(device)
-    mesh = init_device_mesh(device.type, (_world_size(),))
+    mesh = init_device_mesh(device.type, (collectives.world_size(),))
     # Mixed precision on GPU only: CPU runs are tests and tiny models, where fp32 keeps
     # them bit-comparable with single-process references; CPUs without bf16 matmul units
     # run bf16 slower than fp32, and gloo's support for bf16 collectives is patchy.
@@ -158,7 +146,7 @@ def save_sharded(directory: Path, model: torch.nn.Module, optimizer: torch.optim
     # Pickled as one blob: DCP would flatten a nested dict into keys that a load must know in advance.
     state = {"model": model_state, "optimizer": optim_state, _EXTRA_KEY: pickle.dumps(extra or {})}
     with _single_process_is_intended():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(directory), no_dist=not _distributed())
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(directory), no_dist=not collectives.active())
 
 
 def load_sharded(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -172,7 +160,7 @@ def load_sharded(directory: Path, model: torch.nn.Module, optimizer: torch.optim
     model_state, optim_state = get_state_dict(unwrap(model), optimizer)
     state = {"model": model_state, "optimizer": optim_state, _EXTRA_KEY: b""}
     with _single_process_is_intended():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(directory), no_dist=not _distributed())
+        dcp.load(state, storage_reader=dcp.FileSystemReader(directory), no_dist=not collectives.active())
     set_state_dict(unwrap(model), optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     return pickle.loads(state[_EXTRA_KEY])
 
@@ -192,4 +180,4 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     ``unwrap(model).save_pretrained(path, state_dict=full_state_dict(model))``.
     """
     state = get_model_state_dict(unwrap(model), options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return state if _rank() == 0 else None
+    return state if collectives.rank() == 0 else None

@@ -31,6 +31,7 @@ from mlplat.errors import ConfigError
 from mlplat.runtime import init_ray
 from mlplat.tracking import ModelRef, RunLogger, register_model_dir, resolve_model, start_run
 from mlplat.tracking.runs import default_tracking_uri
+from mlplat.train import collectives
 from mlplat.train.checkpoint import MODEL_DIR, TrainState, load_checkpoint, read_train_state, save_checkpoint
 from mlplat.train.data_workers import warm_data_workers
 from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer
@@ -201,48 +202,29 @@ def worker_setup(cfg: RecipeConfig) -> torch.device:
 
 
 
-def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def reduce_over_ranks(value: float, op) -> float:
-    """``value`` reduced over the ranks with ``op`` (a ``torch.distributed.ReduceOp``); itself on one process."""
-    import torch.distributed as dist
-
-    if not _distributed():
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=op)
-    return t.item()
-
-
-def mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
-    """Each value averaged over the ranks (a no-op on one process)."""
-    import torch.distributed as dist
-
-    if not _distributed():
-        return values
-    t = torch.tensor(list(values.values()), dtype=torch.float64)
-    dist.all_reduce(t)
-    return dict(zip(values, (t / dist.get_world_size()).tolist()))
-
-
 class MetricWindow:
-    """Running means of per-step statistics between two log lines."""
+    """Per-step statistics between two log lines, reduced over the ranks once per window on the training device.
 
-    def __init__(self):
-        self.sums: dict[str, float] = {}
+    Keys in ``maxima`` keep their largest value (over the window's steps, then the ranks); the others their mean."""
+
+    def __init__(self, device: torch.device, maxima: tuple[str, ...] = ()):
+        self.device, self.maxima = device, frozenset(maxima)
+        self.values: dict[str, float] = {}
         self.steps = 0
 
     def add(self, stats: dict[str, float]) -> None:
         self.steps += 1
         for key, value in stats.items():
-            self.sums[key] = self.sums.get(key, 0.0) + value
+            previous = self.values.get(key)
+            if previous is None:
+                self.values[key] = value
+            else:
+                self.values[key] = max(previous, value) if key in self.maxima else previous + value
 
     def pop(self) -> dict[str, float]:
-        """Means over ranks of this rank's window means; starts a new window. Every rank must call it."""
-        means = {key: total / max(1, self.steps) for key, total in sorted(self.sums.items())}
-        self.sums, self.steps = {}, 0
-        return mean_over_ranks(means)
+        """This window over every rank; starts a new window. Every rank must call it (one all-gather)."""
+        keys = sorted(self.values)
+        local = [self.values[k] if k in self.maxima else self.values[k] / max(1, self.steps) for k in keys]
+        ranks = torch.stack(collectives.all_gather(torch.tensor(local, dtype=torch.float64), self.device))
+        self.values, self.steps = {}, 0
+        return {k: (ranks[:, i].max() if k in self.maxima else ranks[:, i].mean()).item() for i, k in enumerate(keys)}

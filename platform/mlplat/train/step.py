@@ -15,8 +15,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
+from mlplat.train import collectives
 from mlplat.train.batch import IGNORE_INDEX, causal_lm_loss, count_tokens, model_inputs
 from mlplat.train.perf import PhaseTimer
 
@@ -29,16 +29,6 @@ class StepStats:
     slots: int  # token positions in the batches, padding included, all ranks (tokens / slots: packing efficiency)
     grad_norm: float  # before clipping
     skipped: bool  # non-finite loss or gradient norm: no update was applied
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    if _world_size() > 1:
-        dist.all_reduce(t)
-    return t
 
 
 def _gradient_sync(model: torch.nn.Module, enabled: bool):
@@ -79,8 +69,8 @@ def train_step(
         local = torch.stack(
             [torch.stack([(b["labels"][:, 1:] != IGNORE_INDEX).sum(), count_tokens(b), torch.tensor(b["input_ids"].numel(), device=b["input_ids"].device)]) for b in micro_batches]
         ).sum(0)
-        counts = _all_reduce_sum(local.to(torch.float64))
-    scale = _world_size() / counts[0].clamp(min=1)
+        counts = collectives.all_reduce(local.to(torch.float64), local.device)
+    scale = collectives.world_size() / counts[0].clamp(min=1)
 
     loss_sum = torch.zeros((), dtype=torch.float64, device=counts.device)
     for i, batch in enumerate(micro_batches):
@@ -97,7 +87,7 @@ def train_step(
     with timer.phase("optimizer"):
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)  # DTensor under FSDP2
-        global_loss = (_all_reduce_sum(loss_sum) / counts[0].clamp(min=1)).item()
+        global_loss = (collectives.all_reduce(loss_sum, loss_sum.device) / counts[0].clamp(min=1)).item()
         skipped = not (math.isfinite(global_loss) and math.isfinite(grad_norm))  # the same verdict on every rank
         if not skipped:
             optimizer.step()
