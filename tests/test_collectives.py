@@ -133,7 +133,6 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     cpu, result = torch.device("cpu"), {}
-    issued = lambda: dict(collectives.ISSUED)  # noqa: E731
     values = {"a": float(rank + 1), "b": float(10 * rank)}
     result["sum"] = collectives.reduce_values(values, cpu, "sum")
     result["mean"] = collectives.reduce_values(values, cpu, "mean")
@@ -158,7 +157,7 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     train_step(model, batch, optimizer, scheduler, 1.0)
     result["train_step_collectives"] = sum(collectives.ISSUED.values()) - before
     collectives.barrier(cpu)
-    result["issued"] = issued()
+    result["issued"] = dict(collectives.ISSUED)
     torch.save(result, Path(out) / f"world{world}_rank{rank}.pt")
     dist.destroy_process_group()
 

@@ -133,7 +133,7 @@ def test_cli_bad_arguments_are_usage_errors():
 
 
 def test_readme_recipe_configs_validate():
-    """Every recipe YAML example in the README validates as its recipe's config (docs that cannot drift).
+    """Every recipe YAML example in the README and docs/training.md validates as its recipe's config (docs that cannot drift).
 
     A block is a GRPO config when it says so in its first line (``# grpo.yaml``), else SFT."""
     import re
@@ -143,7 +143,8 @@ def test_readme_recipe_configs_validate():
 
     from train_apps.grpo import GRPOConfig
 
-    texts = re.findall(r"```yaml\n(.*?)```", (REPO_ROOT / "README.md").read_text(), re.S)
+    docs = (REPO_ROOT / "README.md").read_text() + (REPO_ROOT / "docs" / "training.md").read_text()
+    texts = re.findall(r"```yaml\n(.*?)```", docs, re.S)
     recipes = [(t, yaml.safe_load(t)) for t in texts]
     recipes = [(t, b) for t, b in recipes if isinstance(b, dict) and "model" in b and "data" in b]
     grpo = [GRPOConfig.model_validate(b) for t, b in recipes if t.startswith("# grpo.yaml")]
@@ -159,6 +160,7 @@ def test_readme_recipe_configs_validate():
         ({"parallel": {"strategy": "zero3"}}, "parallel.strategy"),
         ({"grad_accum_steps": 0}, "grad_accum_steps"),
         ({"lora": {"target_modules": []}}, "lora.target_modules"),
+        ({"max_steps": 4, "profile": {"steps": 3}}, "profile: wait_steps"),
     ],
 )
 def test_bad_sft_training_options_name_the_field(overrides, message):

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from mlplat.data.demo import DemoDataConfig, extract_answer, reversed_sum, write_demo_data
+from mlplat.data.demo import DemoDataConfig, reversed_sum, write_demo_data
+from mlplat.evaluation import extract_answer
 
 
 def read(path):

@@ -37,6 +37,17 @@ def test_heavy_libraries_import_only_when_used(tmp_path):
     assert out.stdout.splitlines() == ["[]", "['torch']"], out.stdout
 
 
+def test_cli_help_imports_neither_ray_torch_nor_mlflow(tmp_path):
+    # `mlplat --help` (and a typo's usage error) answers at once: the heavy stacks load with the command that needs them.
+    code = (
+        "import sys\nfrom mlplat.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'ray', 'torch', 'mlflow', 'transformers'}))"
+    )
+    out = run_python(code, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "[]", out.stdout[-500:]
+
+
 def test_cli_help_lists_subcommands():
     out = subprocess.run([MLPLAT, "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0

@@ -20,18 +20,16 @@ def softplus(x: float) -> float:
 def test_dpo_sigmoid_loss_matches_a_hand_computed_example():
     # beta=0.5: chosen reward 0.5 * (-1 - -2) = 0.5, rejected 0.5 * (-3 - -2) = -0.5, margin 1.
     t = torch.tensor
-    loss, stats = dpo_loss(t([-1.0]), t([-3.0]), t([-2.0]), t([-2.0]), beta=0.5)
-    assert loss.item() == pytest.approx(softplus(-1.0))  # -log sigmoid(1)
-    assert stats["rewards/chosen"] == pytest.approx(0.5) and stats["rewards/rejected"] == pytest.approx(-0.5)
-    assert stats["rewards/margins"] == pytest.approx(1.0) and stats["rewards/accuracies"] == 1.0
-    smoothed, _ = dpo_loss(t([-1.0]), t([-3.0]), t([-2.0]), t([-2.0]), beta=0.5, label_smoothing=0.1)
+    losses, chosen, rejected = dpo_loss(t([-1.0]), t([-3.0]), t([-2.0]), t([-2.0]), beta=0.5)
+    assert losses.item() == pytest.approx(softplus(-1.0))  # -log sigmoid(1)
+    assert chosen.item() == pytest.approx(0.5) and rejected.item() == pytest.approx(-0.5)
+    smoothed, _, _ = dpo_loss(t([-1.0]), t([-3.0]), t([-2.0]), t([-2.0]), beta=0.5, label_smoothing=0.1)
     assert smoothed.item() == pytest.approx(0.9 * softplus(-1.0) + 0.1 * softplus(1.0))
 
 
-def test_bradley_terry_loss_and_accuracy():
-    loss, stats = bradley_terry_loss(torch.tensor([2.0, 0.0]), torch.tensor([1.0, 1.0]))
-    assert loss.item() == pytest.approx((softplus(-1.0) + softplus(1.0)) / 2)
-    assert stats["accuracy"] == 0.5 and stats["reward_margin"] == pytest.approx(0.0)
+def test_bradley_terry_loss_per_pair():
+    losses = bradley_terry_loss(torch.tensor([2.0, 0.0]), torch.tensor([1.0, 1.0]))
+    assert losses.tolist() == pytest.approx([softplus(-1.0), softplus(1.0)])
 
 
 def test_group_advantages_normalise_within_each_group():

@@ -375,7 +375,6 @@ def test_mlplat_serve_stops_on_ctrl_c_while_deploying(ray_cluster, tiny_model):
     import subprocess
 
     import ray
-
     from conftest import MLPLAT
 
     command = [MLPLAT, "serve", "--address", ray.get_runtime_context().gcs_address, "--set", f"model={tiny_model}",

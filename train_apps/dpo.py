@@ -5,11 +5,12 @@
     2. on each of N workers:                                                           [Ray Train]
          pi_theta <- the checkpoint (trained, DDP/FSDP2); pi_ref <- the same checkpoint, frozen
          for step in 1..max_steps:
-             (chosen, rejected) <- next batch of pairs; one forward per model scores both sides
-             log pi_ref(y|x) under no_grad, on the worker, once per batch  (*)
+             (chosen, rejected) <- next grad_accum_steps micro-batches of pairs; one forward per model scores both sides
+             log pi_ref(y|x) under no_grad, on the worker, once per micro-batch  (*)
              r(y) = beta * (log pi_theta(y|x) - log pi_ref(y|x))             implicit rewards
-             loss <- -(1-eps) log sigmoid(r_c - r_r) - eps log sigmoid(r_r - r_c)    (cDPO, eps = label_smoothing)
-             AdamW step; log loss, rewards/{chosen,rejected,margins,accuracies} -> MLflow
+             loss <- mean over the global batch's pairs of
+                     -(1-eps) log sigmoid(r_c - r_r) - eps log sigmoid(r_r - r_c)    (cDPO, eps = label_smoothing)
+             AdamW step (skipped if not finite); log loss, rewards/{chosen,rejected,margins,accuracies} -> MLflow
     3. held-out pairs, before and after (rank 0): implicit reward margin and accuracy,
        and the log-prob margin log pi(chosen) - log pi(rejected); register the model
     output: run id, model version, held-out margins
@@ -40,7 +41,7 @@ from mlplat.train.checkpoint import CheckpointMeta
 from mlplat.train.losses import dpo_loss, sequence_logprobs
 from mlplat.train.optim import OptimizerConfig
 from mlplat.train.parallel import unwrap
-from mlplat.train.recipe import MetricWindow, RecipeConfig, RecipeRun, save_and_report, train_shard, trainable, worker_setup
+from mlplat.train.recipe import RecipeConfig, RecipeRun, run_steps, train_shard, trainable, worker_setup
 
 
 class DPOConfig(RecipeConfig):
@@ -69,6 +70,27 @@ class DPOResult(BaseModel):
     eval_after: HeldOutMargins | None
 
 
+class DPOObjective:
+    """DPO per pair against a frozen reference: chosen rows first, then rejected (PairCollate)."""
+
+    def __init__(self, reference: torch.nn.Module, beta: float, label_smoothing: float):
+        self.reference, self.beta, self.label_smoothing = reference, beta, label_smoothing
+
+    def units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.tensor(batch["input_ids"].shape[0] // 2, device=batch["input_ids"].device)
+
+    def __call__(self, policy, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        with torch.no_grad():
+            ref_chosen, ref_rejected = sequence_logprobs(self.reference(**model_inputs(batch)).logits, batch["labels"]).chunk(2)
+        chosen, rejected = sequence_logprobs(policy(**model_inputs(batch), use_cache=False).logits, batch["labels"]).chunk(2)
+        losses, chosen_rewards, rejected_rewards = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, self.beta, self.label_smoothing)
+        margins = chosen_rewards - rejected_rewards
+        return losses.sum(), {
+            "rewards/chosen": chosen_rewards.sum(), "rewards/rejected": rejected_rewards.sum(), "rewards/margins": margins.sum(),
+            "rewards/accuracies": (margins > 0).sum(), "logps/chosen": chosen.detach().sum(), "logps/rejected": rejected.detach().sum(),
+        }  # fmt: skip
+
+
 def train_loop_per_worker(config: dict) -> None:
     cfg = DPOConfig.model_validate(config["cfg"])
     rank = ray.train.get_context().get_world_rank()
@@ -83,34 +105,12 @@ def train_loop_per_worker(config: dict) -> None:
     held_out = read_preference_pairs(cfg.eval_data, tokenizer, cfg.data.max_seq_len) if cfg.eval_data and logger else None
     if held_out and state.step == 0:
         logger.log_metrics(_prefixed(held_out_margins(unwrap(policy), reference, held_out, tokenizer, cfg.beta, device), "eval_before"))
-    window = MetricWindow(device)
 
-    while state.step < cfg.max_steps:
-        batch = {k: v.to(device) for k, v in loader.next().items()}
-        with torch.no_grad():
-            ref_chosen, ref_rejected = sequence_logprobs(reference(**model_inputs(batch)).logits, batch["labels"]).chunk(2)
-        policy_chosen, policy_rejected = sequence_logprobs(policy(**model_inputs(batch), use_cache=False).logits, batch["labels"]).chunk(2)
-        loss, stats = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, cfg.beta, cfg.label_smoothing)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.optim.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        state.step += 1
-        state.data = loader.position
-        window.add({"loss": loss.item(), "grad_norm": float(grad_norm), "logps/chosen": policy_chosen.mean().item(),
-                    "logps/rejected": policy_rejected.mean().item(), **stats})  # fmt: skip
+    def held_out_after() -> dict[str, float]:
+        return _prefixed(held_out_margins(unwrap(policy), reference, held_out, tokenizer, cfg.beta, device), "eval") if held_out else {}
 
-        last = state.step == cfg.max_steps
-        if state.step % cfg.log_every == 0 or last:
-            metrics = {**window.pop(), "lr": scheduler.get_last_lr()[0]}
-            if last and held_out:
-                metrics.update(_prefixed(held_out_margins(unwrap(policy), reference, held_out, tokenizer, cfg.beta, device), "eval"))
-            if logger:
-                logger.log_metrics(metrics, step=state.step)
-            save = state.step % cfg.checkpoint_every == 0 or last
-            if save:
-                save_and_report({"step": state.step, **metrics}, (policy, optimizer, scheduler, state, meta, tokenizer))
+    objective = DPOObjective(reference, cfg.beta, cfg.label_smoothing)
+    run_steps(cfg, loader, policy, optimizer, scheduler, state, objective, (meta, tokenizer), logger, held_out_after)
 
 
 def _prefixed(margins: HeldOutMargins, prefix: str) -> dict[str, float]:

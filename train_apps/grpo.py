@@ -40,21 +40,20 @@ import torch
 from pydantic import BaseModel, Field, model_validator
 from ray.data.collate_fn import NumpyBatchCollateFn
 
-from mlplat.data.demo import extract_answer
 from mlplat.data.ingest import DataConfig
 from mlplat.data.rl_prompts import prepare_rl_prompt_dataset, prompt_messages
-from mlplat.evaluation import read_eval_rows
+from mlplat.evaluation import extract_answer, read_eval_rows
 from mlplat.models import load_model, load_tokenizer
 from mlplat.observability import catalogue as oc
 from mlplat.rl.rewards import RewardConfig, build_reward_fn, start_reward_model
 from mlplat.rl.rollout import RolloutConfig, Sample, start_rollout_workers
 from mlplat.tracking import ModelRef, RunLogger, resolve_model
+from mlplat.train import collectives
 from mlplat.train.batch import IGNORE_INDEX, pad_collate
 from mlplat.train.checkpoint import CheckpointMeta
 from mlplat.train.losses import group_advantages, grpo_loss, token_logprobs
 from mlplat.train.optim import OptimizerConfig
 from mlplat.train.parallel import full_state_dict
-from mlplat.train import collectives
 from mlplat.train.recipe import MetricWindow, RecipeConfig, RecipeRun, save_and_report, train_shard, trainable, worker_setup
 
 

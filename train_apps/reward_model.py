@@ -6,9 +6,9 @@
          r_theta <- the checkpoint's transformer + a new linear head to one scalar,
                     read at each sequence's last token
          for step in 1..max_steps:
-             (chosen, rejected) <- next batch of pairs; one forward scores both sides
-             loss <- -log sigmoid(r(chosen) - r(rejected))                        (Bradley-Terry)
-             AdamW step, LR warmup + cosine; log loss, accuracy, reward margin -> MLflow
+             (chosen, rejected) <- next grad_accum_steps micro-batches of pairs; one forward scores both sides
+             loss <- mean over the global batch's pairs of -log sigmoid(r(chosen) - r(rejected))  (Bradley-Terry)
+             AdamW step (skipped if not finite), LR warmup + cosine; log loss, accuracy, reward margin -> MLflow
     3. pairwise accuracy on held-out pairs (rank 0); the HF checkpoint (architecture
        *ForSequenceClassification) is registered in MLflow and scores responses for RL
        through ``mlplat.rl.rewards.RewardModelScorer``
@@ -33,7 +33,7 @@ from mlplat.train.batch import PairCollate
 from mlplat.train.checkpoint import CheckpointMeta
 from mlplat.train.losses import bradley_terry_loss
 from mlplat.train.parallel import unwrap
-from mlplat.train.recipe import MetricWindow, RecipeConfig, RecipeRun, save_and_report, train_shard, trainable, worker_setup
+from mlplat.train.recipe import RecipeConfig, RecipeRun, run_steps, train_shard, trainable, worker_setup
 
 
 class RewardModelConfig(RecipeConfig):
@@ -52,6 +52,18 @@ class RewardModelResult(BaseModel):
     eval_accuracy: float | None  # held-out pairs with r(chosen) > r(rejected)
 
 
+class PairwiseObjective:
+    """Bradley-Terry on the scalar head's scores, per pair: chosen rows first, then rejected (PairCollate)."""
+
+    def units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.tensor(batch["input_ids"].shape[0] // 2, device=batch["input_ids"].device)
+
+    def __call__(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        chosen, rejected = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0].chunk(2)
+        margin = (chosen - rejected).detach()
+        return bradley_terry_loss(chosen, rejected).sum(), {"accuracy": (margin > 0).sum(), "reward_margin": margin.sum()}
+
+
 def train_loop_per_worker(config: dict) -> None:
     cfg = RewardModelConfig.model_validate(config["cfg"])
     rank = ray.train.get_context().get_world_rank()
@@ -62,32 +74,13 @@ def train_loop_per_worker(config: dict) -> None:
     loader = train_shard(cfg.batch_size_per_worker, cfg.seed, PairCollate(tokenizer.pad_token_id), ray.train.get_checkpoint())
     model, optimizer, scheduler, state = trainable(load_reward_model(config["model_dir"]), cfg, device)
     meta = CheckpointMeta(base_model=config["model_dir"], format="consolidated")
-    window = MetricWindow(device)
 
-    while state.step < cfg.max_steps:
-        batch = {k: v.to(device) for k, v in loader.next().items()}
-        scores = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
-        chosen, rejected = scores.chunk(2)
-        loss, stats = bradley_terry_loss(chosen, rejected)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        state.step += 1
-        state.data = loader.position
-        window.add({"loss": loss.item(), "grad_norm": float(grad_norm), **stats})
+    def held_out() -> dict[str, float]:
+        if not (cfg.eval_data and logger):  # rank 0 evaluates
+            return {}
+        return {"eval/accuracy": pairwise_accuracy(unwrap(model), tokenizer, cfg.eval_data, cfg.data.max_seq_len, device)}
 
-        last = state.step == cfg.max_steps
-        if state.step % cfg.log_every == 0 or last:
-            metrics = {**window.pop(), "lr": scheduler.get_last_lr()[0]}
-            if last and cfg.eval_data and logger:
-                metrics["eval/accuracy"] = pairwise_accuracy(unwrap(model), tokenizer, cfg.eval_data, cfg.data.max_seq_len, device)
-            if logger:
-                logger.log_metrics(metrics, step=state.step)
-            save = state.step % cfg.checkpoint_every == 0 or last
-            if save:
-                save_and_report({"step": state.step, **metrics}, (model, optimizer, scheduler, state, meta, tokenizer))
+    run_steps(cfg, loader, model, optimizer, scheduler, state, PairwiseObjective(), (meta, tokenizer), logger, held_out)
 
 
 @torch.no_grad()

@@ -36,7 +36,7 @@ from pydantic import BaseModel, Field, model_validator
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from mlplat.config import Config, to_flat_params
+from mlplat.config import to_flat_params
 from mlplat.data.ingest import check_sources
 from mlplat.data.loader import deterministic_data_config
 from mlplat.data.sft import DataReport, SFTDataConfig, prepare_sft_dataset
@@ -52,43 +52,28 @@ from mlplat.train.batch import PadCollate
 from mlplat.train.checkpoint import MODEL_DIR, TRAIN_STATE, CheckpointFormat, CheckpointMeta, TrainState, load_checkpoint, read_train_state
 from mlplat.train.data_workers import warm_data_workers
 from mlplat.train.lora import LoRAConfig, apply_lora
-from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer
-from mlplat.train.parallel import ParallelConfig, parallelize, unwrap
+from mlplat.train.optim import build_lr_scheduler, build_optimizer
+from mlplat.train.parallel import parallelize, unwrap
 from mlplat.train.perf import PhaseTimer, flops_per_token, measure_cpu_peak_flops, peak_flops
-from mlplat.train.recipe import fit_and_release, git_commit, save_and_report, train_shard
+from mlplat.train.recipe import RecipeConfig, fit_and_release, git_commit, next_micro_batches, record_step, save_and_report, train_shard
 from mlplat.train.step import StepStats, train_step
 
 
-class SFTConfig(Config):
-    model: str  # local HF checkpoint directory or models:/NAME/VERSION|@ALIAS
+class SFTConfig(RecipeConfig):
     data: SFTDataConfig
-    optim: OptimizerConfig = OptimizerConfig()
-    parallel: ParallelConfig = ParallelConfig()  # ddp or fsdp (FSDP2), activation checkpointing, mixed precision
     lora: LoRAConfig | None = None  # train LoRA adapters instead of all weights; exported merged
     max_steps: int = Field(default=500, gt=0)
     batch_size_per_worker: int = Field(default=32, gt=0)  # rows per micro-batch
-    grad_accum_steps: int = Field(default=1, gt=0)  # micro-batches per optimizer step
-    num_workers: int = Field(default=2, gt=0)
-    use_gpu: bool = False
-    bf16: bool = True  # autocast to bf16 on GPU; CPU trains in fp32
     deterministic_data: bool = True  # same batches in the same order on every run: exact resume (see mlplat.data.loader)
-    max_bad_steps_in_row: int = Field(default=5, gt=0)  # non-finite loss/grad norm: skip the step; abort after this many in a row
-    log_every: int = Field(default=10, gt=0)
     checkpoint_every: int = Field(default=250, gt=0)
     checkpoint_format: CheckpointFormat = "sharded"
     checkpoint_hf: bool = True  # also export a servable HF model into every checkpoint (always into the last)
-    num_checkpoints_to_keep: int | None = 2  # None keeps all
     checkpoint_score_metric: str | None = None  # e.g. "loss": keep the best by it instead of the latest
     checkpoint_score_order: Literal["min", "max"] = "min"
-    max_failures: int = Field(default=0, ge=-1)  # restarts from the last checkpoint after a worker dies (-1: unlimited)
     resume_from: str | None = None  # a checkpoint directory of an earlier run to continue from
     peak_tflops: float | None = None  # per device, for MFU; default: table of GPUs, measured on CPU
-    seed: int = 0
-    storage_path: str = "outputs/ray_train"  # Ray Train run storage (local path or URI)
     experiment: str = "mlplat-sft"
-    run_name: str | None = None
     registered_model: str | None = "sft-model"  # None: log the model but do not register it
-    registered_alias: str | None = "candidate"
     health: TrainingHealthConfig = TrainingHealthConfig()  # straggler and hang detection; accepted nodes only (mlplat.health)
     debug: FaultInjection = FaultInjection()  # test hooks: a slow or a hung rank, to exercise the detectors
     profile: ProfileConfig | None = None  # torch profiler trace of a few steps on rank 0 -> MLflow (mlplat.observability)
@@ -97,6 +82,9 @@ class SFTConfig(Config):
     def _checks(self):
         if self.parallel.strategy == "fsdp" and self.lora is not None:
             raise ValueError("lora with parallel.strategy=fsdp is not supported yet: use parallel.strategy=ddp for LoRA")
+        if self.profile and self.max_steps < (needed := self.profile.wait_steps + 1 + self.profile.steps):
+            # the trace is written once the profiler's schedule completes
+            raise ValueError(f"profile: wait_steps + 1 warm-up + steps = {needed} steps, more than max_steps={self.max_steps}: raise max_steps or lower profile.steps")
         return self
 
 
@@ -163,17 +151,10 @@ def _train(cfg: SFTConfig, config: dict, rank: int, world_size: int, logger: Run
         step_start = time.perf_counter()
         with timer.phase("data_wait"):
             health.inject_faults(state.step + 1)
-            micro_batches = [{k: v.to(device) for k, v in loader.next().items()} for _ in range(cfg.grad_accum_steps)]
+            micro_batches = next_micro_batches(loader, cfg, device)
         stats = train_step(model, micro_batches, optimizer, scheduler, cfg.optim.grad_clip, bf16, timer)
-        state.step += 1
         state.data = loader.position.model_copy()
-        state.bad_steps_in_row = state.bad_steps_in_row + 1 if stats.skipped else 0
-        state.skipped_steps += stats.skipped
-        if state.bad_steps_in_row >= cfg.max_bad_steps_in_row:
-            raise FloatingPointError(
-                f"step {state.step}: loss or gradient norm was not finite for {state.bad_steps_in_row} steps in a row "
-                f"(last loss {stats.loss}, grad norm {stats.grad_norm}); lower optim.lr, check the data, or raise max_bad_steps_in_row"
-            )
+        record_step(state, stats, cfg.max_bad_steps_in_row)
         window.add(stats, time.perf_counter() - step_start, timer.reset())
         if profiler:
             profiler.step()

@@ -6,14 +6,20 @@ The native engine replaces `generate` here once it lands; the metric stays the s
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
 from pydantic import BaseModel
 
-from mlplat.data.demo import extract_answer
 from mlplat.errors import DataError
 from mlplat.models import load_model, load_tokenizer
+
+
+def extract_answer(completion: str) -> str:
+    """The first run of digits in a completion ('' if none): what exact match compares."""
+    match = re.search(r"\d+", completion)
+    return match.group(0) if match else ""
 
 
 class EvalResult(BaseModel):

@@ -11,8 +11,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, StringConstraints, model_validator
 
 from mlplat.config import Config
-from mlplat.pipeline.tenants import TenantName
 from mlplat.serve.auth import RateLimit
+from mlplat.tenants import TenantName
 
 DNSLabel = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$", max_length=63)]  # Kubernetes names
 Quantity = Annotated[str, StringConstraints(pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$")]  # e.g. 32Gi

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 from pathlib import Path
 
 from pydantic import BaseModel, Field, model_validator
@@ -62,12 +61,6 @@ def question(a: int, b: int) -> str:
 
 def reversed_sum(a: int, b: int) -> str:
     return str(a + b)[::-1]
-
-
-def extract_answer(completion: str) -> str:
-    """The first run of digits in a completion ('' if none): what exact match compares."""
-    match = re.search(r"\d+", completion)
-    return match.group(0) if match else ""
 
 
 def _operand(rng: random.Random, max_digits: int) -> int:

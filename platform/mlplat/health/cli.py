@@ -6,10 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-import ray
-
 from mlplat.errors import MlplatError
-from mlplat.health import marking
 
 
 def add_commands(sub) -> None:
@@ -33,6 +30,7 @@ def run_command(args: argparse.Namespace) -> None:
     """Run ``mlplat health ACTION``; ``check`` exits with status 1 when a node or the collective fails."""
     # Imported here, not at the top: `mlplat --help` and every other command must not pay for ray/torch.
     from mlplat.config import load_config
+    from mlplat.health import marking
     from mlplat.health.check import HealthCheckConfig, run_health_check
     from mlplat.health.report import render_table
     if args.health_command == "check":
@@ -64,6 +62,8 @@ def run_command(args: argparse.Namespace) -> None:
 
 
 def _connect(address: str | None, start_local: bool) -> None:
+    import ray
+
     if ray.is_initialized():
         return
     try:
@@ -73,10 +73,14 @@ def _connect(address: str | None, start_local: bool) -> None:
 
 
 def _alive_nodes() -> list[dict]:
+    import ray
+
     return [n for n in ray.nodes() if n["Alive"]]
 
 
 def _resolve_node(prefix: str) -> str:
+    from mlplat.health import marking
+
     matches = [n["NodeID"] for n in _alive_nodes() if n["NodeID"].startswith(prefix)] or [
         node_id for node_id in marking.quarantined() if node_id.startswith(prefix)
     ]
@@ -86,6 +90,8 @@ def _resolve_node(prefix: str) -> str:
 
 
 def _nodes_table() -> str:
+    from mlplat.health import marking
+
     quarantined, accepted, draining = marking.quarantined(), marking.accepted_nodes(), marking.draining()
     lines = []
     for node in _alive_nodes():

@@ -1,4 +1,4 @@
-"""``mlplat dashboards export|install`` and ``mlplat profile sft|engine``."""
+"""``mlplat dashboards export|install`` and ``mlplat profile engine`` (training steps: the recipes' ``profile:`` field)."""
 
 from __future__ import annotations
 
@@ -25,14 +25,8 @@ def add_commands(sub) -> None:
     p.add_argument("--prometheus-url", default=None, help="the data source's URL (default: $RAY_PROMETHEUS_HOST or http://localhost:9090)")
     p.add_argument("--token-env", default="GRAFANA_TOKEN", help="environment variable holding a service-account token or user:password")
 
-    profile = sub.add_parser("profile", help="profile a few training or engine steps with torch.profiler (trace + top operators in MLflow)")
+    profile = sub.add_parser("profile", help="profile a few inference engine steps with torch.profiler (trace + top operators in MLflow); for training steps set profile: in the recipe config")
     targets = profile.add_subparsers(dest="target", required=True, metavar="TARGET", help="what to profile")
-    p = targets.add_parser("sft", help="SFT training steps on rank 0, in the SFT run")
-    p.add_argument("--config", help="YAML config file")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config field (repeatable)")
-    p.add_argument("--steps", type=int, default=3, help="steps recorded (default 3)")
-    p.add_argument("--wait-steps", type=int, default=2, help="steps skipped before recording (default 2), then one warm-up step")
-    p.add_argument("--address", help="Ray cluster address (default: start a local one)")
     p = targets.add_parser(
         "engine",
         help="the native inference engine's steps on synthetic prompts, in experiment " + PROFILE_EXPERIMENT,
@@ -64,8 +58,6 @@ def run_command(args: argparse.Namespace) -> None:
         else:
             for url in provisioning.install(args.grafana_url, args.token_env, prometheus_url):
                 print(url)
-    elif args.command == "profile" and args.target == "sft":
-        _profile(args)
     elif args.command == "profile" and args.target == "engine":
         _profile_engine(args)
 
@@ -84,30 +76,6 @@ def _export(out: Path, check: bool) -> None:
         print(f"stale dashboards in {out}: {', '.join(stale)}; run `mlplat dashboards export --out {out}`", file=sys.stderr)
         sys.exit(1)
     print(f"{out}: {len(DASHBOARDS)} dashboards up to date")
-
-
-def _profile(args: argparse.Namespace) -> None:
-    from mlplat.config import load_config
-    from mlplat.observability.profiling import ARTIFACT_DIR, TOP_OPERATORS
-    from mlplat.runtime import init_ray
-    from mlplat.tracking.runs import default_tracking_uri
-    from train_apps.sft import SFTConfig, run_sft
-
-    if args.steps <= 0 or args.wait_steps < 0:
-        raise MlplatError("--steps must be > 0 and --wait-steps >= 0")
-    profile = [f"profile.steps={args.steps}", f"profile.wait_steps={args.wait_steps}"]
-    cfg = load_config(SFTConfig, args.config, [*args.overrides, *profile])
-    needed = args.wait_steps + 1 + args.steps
-    if cfg.max_steps < needed:  # the trace is only written once the schedule completes
-        cfg = cfg.model_copy(update={"max_steps": needed})
-    init_ray(args.address, cfg.num_workers)
-    result = run_sft(cfg)
-    import mlflow
-
-    client = mlflow.MlflowClient(default_tracking_uri())
-    local = client.download_artifacts(result.run_id, f"{ARTIFACT_DIR}/{TOP_OPERATORS}")
-    print(Path(local).read_text())
-    print(f"trace: MLflow run {result.run_id}, artifacts {ARTIFACT_DIR}/trace.json (open in https://ui.perfetto.dev)")
 
 
 def _profile_engine(args: argparse.Namespace) -> None:

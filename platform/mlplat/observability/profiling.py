@@ -1,6 +1,6 @@
 """Where time goes: a torch profiler trace of a few training or engine steps, and a whole-run step-time summary.
 
-``profile: {steps: 3}`` in an SFT config (or ``mlplat profile sft --config ... --steps 3``)
+``profile: {steps: 3}`` in an SFT config (``--set profile.steps=3`` on the command line)
 profiles rank 0 for that many steps after ``wait_steps`` (start-up, first-step compilation
 and allocator warm-up would otherwise dominate). The Chrome/Perfetto trace goes to the run's
 MLflow artifacts under ``profile/`` (open it at https://ui.perfetto.dev or chrome://tracing)

@@ -13,18 +13,16 @@ submissions at the same instant can both pass.
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from pydantic import Field, StringConstraints
+from pydantic import Field
 
 from mlplat.config import Config
 from mlplat.errors import MlplatError
+from mlplat.tenants import TenantName
 
 TENANT_KEY = "mlplat.tenant"
 PIPELINE_KEY = "mlplat.pipeline"
 REQUEST_KEYS = {"CPU": "mlplat.request.cpus", "GPU": "mlplat.request.gpus"}
 
-TenantName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$", max_length=63)]
 
 
 class QuotaExceeded(MlplatError):

@@ -19,9 +19,9 @@ import torch
 from pydantic import model_validator
 
 from mlplat.config import Config
-from mlplat.data.demo import extract_answer
 from mlplat.data.rl_prompts import prompt_messages
 from mlplat.errors import ConfigError
+from mlplat.evaluation import extract_answer
 from mlplat.rl.rollout import Sample
 
 RewardFn = Callable[[list[Sample], list[dict]], list[float]]

@@ -24,7 +24,7 @@ from pydantic import Field, TypeAdapter, ValidationError
 
 from mlplat.config import Config
 from mlplat.errors import ConfigError
-from mlplat.pipeline.tenants import TenantName
+from mlplat.tenants import TenantName
 
 logger = logging.getLogger(__name__)
 

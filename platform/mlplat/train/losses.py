@@ -7,7 +7,8 @@
   reference model with the k3 estimator (Schulman 2020), averaged over tokens (not
   sequences: long answers are not down-weighted, as in DAPO).
 
-Each returns the loss and the statistics a run logs, detached.
+Preference losses are per pair (a step sums and averages them over the global batch, mlplat.train.step);
+GRPO's returns its loss and the statistics a run logs, detached.
 """
 
 from __future__ import annotations
@@ -33,11 +34,9 @@ def sequence_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return picked.sum(-1)
 
 
-def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-    """Mean -log sigmoid(r_c - r_r) over pairs; ``accuracy`` is the fraction with r_c > r_r."""
-    margin = chosen - rejected
-    loss = -F.logsigmoid(margin).mean()
-    return loss, {"accuracy": (margin > 0).float().mean().item(), "reward_margin": margin.mean().item()}
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """Per-pair -log sigmoid(r_c - r_r) [B] (a sum over pairs is what an optimizer step averages)."""
+    return -F.logsigmoid(chosen - rejected)
 
 
 def dpo_loss(
@@ -47,22 +46,17 @@ def dpo_loss(
     ref_rejected: torch.Tensor,
     beta: float,
     label_smoothing: float = 0.0,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """DPO's sigmoid loss from summed sequence log-probs [B] of policy and reference.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DPO's sigmoid loss from summed sequence log-probs [B] of policy and reference: per-pair losses
+    and the implicit rewards of both sides, beta * (log pi - log pi_ref), each [B] (as TRL's ``dpo_loss``).
 
-    Implicit rewards are beta * (log pi - log pi_ref); ``label_smoothing`` is the assumed
-    probability that a pair's preference label is flipped (0: plain DPO).
+    ``label_smoothing`` is the assumed probability that a pair's preference label is flipped (0: plain DPO).
     """
     chosen_rewards = beta * (policy_chosen - ref_chosen)
     rejected_rewards = beta * (policy_rejected - ref_rejected)
     logits = chosen_rewards - rejected_rewards
     losses = -(1 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
-    return losses.mean(), {
-        "rewards/chosen": chosen_rewards.mean().item(),
-        "rewards/rejected": rejected_rewards.mean().item(),
-        "rewards/margins": logits.mean().item(),
-        "rewards/accuracies": (logits > 0).float().mean().item(),
-    }
+    return losses, chosen_rewards.detach(), rejected_rewards.detach()
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6, scale: bool = True) -> torch.Tensor:

@@ -36,6 +36,7 @@ from mlplat.train.checkpoint import MODEL_DIR, TrainState, load_checkpoint, read
 from mlplat.train.data_workers import warm_data_workers
 from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer
 from mlplat.train.parallel import ParallelConfig, parallelize
+from mlplat.train.step import Objective, StepStats, train_step
 
 
 def fit_and_release(trainer: TorchTrainer) -> ray.train.Result:
@@ -60,14 +61,16 @@ class RecipeConfig(Config):
     optim: OptimizerConfig = OptimizerConfig()
     parallel: ParallelConfig = ParallelConfig()
     max_steps: int = Field(default=200, gt=0)
-    batch_size_per_worker: int = Field(default=16, gt=0)
+    batch_size_per_worker: int = Field(default=16, gt=0)  # rows per micro-batch
+    grad_accum_steps: int = Field(default=1, gt=0)  # micro-batches per optimizer step
     num_workers: int = Field(default=2, gt=0)
     use_gpu: bool = False
     bf16: bool = True  # autocast to bf16 on GPU; CPU trains in fp32
     log_every: int = Field(default=10, gt=0)
     checkpoint_every: int = Field(default=100, gt=0)
     num_checkpoints_to_keep: int | None = 2
-    max_failures: int = Field(default=0, ge=-1)  # restarts from the last checkpoint after a worker dies
+    max_bad_steps_in_row: int = Field(default=5, gt=0)  # non-finite loss/grad norm: skip the step; abort after this many in a row
+    max_failures: int = Field(default=0, ge=-1)  # restarts from the last checkpoint after a worker dies (-1: unlimited)
     seed: int = 0
     storage_path: str = "outputs/ray_train"
     experiment: str = "mlplat-posttrain"
@@ -184,6 +187,61 @@ def trainable(model: torch.nn.Module, cfg: RecipeConfig, device: torch.device):
         with checkpoint.as_directory() as ckpt:
             state = load_checkpoint(Path(ckpt), model, optimizer, scheduler)
     return model, optimizer, scheduler, state
+
+
+def record_step(state: TrainState, stats: StepStats, max_bad_steps_in_row: int) -> None:
+    """The bookkeeping after every optimizer step: the step count and the non-finite guard (a skipped
+    step is counted; too many in a row abort the run with what to change)."""
+    state.step += 1
+    state.bad_steps_in_row = state.bad_steps_in_row + 1 if stats.skipped else 0
+    state.skipped_steps += stats.skipped
+    if state.bad_steps_in_row >= max_bad_steps_in_row:
+        raise FloatingPointError(
+            f"step {state.step}: loss or gradient norm was not finite for {state.bad_steps_in_row} steps in a row "
+            f"(last loss {stats.loss}, grad norm {stats.grad_norm}); lower optim.lr, check the data, or raise max_bad_steps_in_row"
+        )
+
+
+def run_steps(
+    cfg: RecipeConfig,
+    loader: ShardLoader,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    state: TrainState,
+    objective: Objective,
+    checkpoint: tuple,
+    logger: RunLogger | None,
+    final_metrics: Callable[[], dict[str, float]] | None = None,
+) -> None:
+    """The optimizer loop a recipe with a fixed objective runs from ``state.step`` to ``max_steps``:
+    micro-batched steps (``grad_accum_steps``) with the exact mean over the global batch, bf16 autocast on
+    GPU, the non-finite guard, a metric window logged every ``log_every`` steps (with ``final_metrics()``
+    added on the last) and a checkpoint every ``checkpoint_every`` steps and on the last, whatever the log
+    cadence. ``checkpoint`` is ``(meta, tokenizer)`` for ``save_and_report``."""
+    device = next(model.parameters()).device
+    window, metrics = MetricWindow(device), {}
+    while state.step < cfg.max_steps:
+        micro_batches = next_micro_batches(loader, cfg, device)
+        stats = train_step(model, micro_batches, optimizer, scheduler, cfg.optim.grad_clip, cfg.use_gpu and cfg.bf16, objective=objective)
+        state.data = loader.position
+        record_step(state, stats, cfg.max_bad_steps_in_row)
+        if not stats.skipped:
+            window.add({"loss": stats.loss, "grad_norm": stats.grad_norm, **stats.metrics})
+        last = state.step == cfg.max_steps
+        if state.step % cfg.log_every == 0 or last:
+            metrics = {**window.pop(), "lr": scheduler.get_last_lr()[0], "skipped_steps": state.skipped_steps}
+            if last and final_metrics:
+                metrics.update(final_metrics())
+            if logger:
+                logger.log_metrics(metrics, step=state.step)
+        if state.step % cfg.checkpoint_every == 0 or last:
+            save_and_report({**metrics, "step": state.step}, (model, optimizer, scheduler, state, *checkpoint))
+
+
+def next_micro_batches(loader: ShardLoader, cfg: RecipeConfig, device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """The next optimizer step's ``grad_accum_steps`` micro-batches of this worker's shard, on ``device``."""
+    return [{k: v.to(device) for k, v in loader.next().items()} for _ in range(cfg.grad_accum_steps)]
 
 
 def train_shard(batch_size: int, seed: int, collate_fn: Callable | None, checkpoint: Checkpoint | None) -> ShardLoader:
