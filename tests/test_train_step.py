@@ -104,7 +104,7 @@ def test_preference_objectives_accumulate_exactly_and_skip_non_finite_steps(reci
     for _ in range(2):  # the second step starts from weights the first one moved
         a = train_step(whole[0], batch, *whole[1:], grad_clip=10.0, objective=objective)
         b = train_step(accumulated[0], _pair_halves(batch), *accumulated[1:], grad_clip=10.0, objective=objective)
-        assert a.target_tokens == b.target_tokens == 4 and not a.skipped  # the units are pairs
+        assert a.units == b.units == 4 and not a.skipped  # the units are pairs
         assert math.isclose(a.loss, b.loss, rel_tol=1e-5) and math.isclose(a.grad_norm, b.grad_norm, rel_tol=1e-4)
         assert a.metrics.keys() == b.metrics.keys() and a.metrics == pytest.approx(b.metrics, rel=1e-5, abs=1e-6)
     for p, q in zip(whole[0].parameters(), accumulated[0].parameters()):

@@ -202,8 +202,8 @@ class _Window:
         self.steps += 1
         self.skipped += int(stats.skipped)
         if not stats.skipped:
-            self.loss_sum += stats.loss * stats.target_tokens
-            self.targets += stats.target_tokens
+            self.loss_sum += stats.loss * stats.units
+            self.targets += stats.units
             self.grad_norm_sum += stats.grad_norm
         self.tokens += stats.tokens
         self.slots += stats.slots

@@ -283,6 +283,6 @@ class MetricWindow:
         """This window over every rank; starts a new window. Every rank must call it (one all-gather)."""
         keys = sorted(self.values)
         local = [self.values[k] if k in self.maxima else self.values[k] / max(1, self.steps) for k in keys]
-        ranks = torch.stack(collectives.all_gather(torch.tensor(local, dtype=torch.float64), self.device))
+        ranks = torch.stack(collectives.all_gather(torch.tensor(local, dtype=torch.float64), self.device)).cpu()  # one copy back
         self.values, self.steps = {}, 0
-        return {k: (ranks[:, i].max() if k in self.maxima else ranks[:, i].mean()).item() for i, k in enumerate(keys)}
+        return {k: float(ranks[:, i].max() if k in self.maxima else ranks[:, i].mean()) for i, k in enumerate(keys)}

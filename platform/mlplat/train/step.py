@@ -50,7 +50,7 @@ class CausalLMObjective:
 @dataclass
 class StepStats:
     loss: float  # mean loss per unit (target token, pair) over the global batch
-    target_tokens: int  # units that carried loss, all ranks (target tokens for a language-model loss)
+    units: int  # what the loss is averaged over, all ranks: target tokens (language-model loss), pairs (preference losses)
     tokens: int  # tokens processed (padding excluded), all ranks
     slots: int  # token positions in the batches, padding included, all ranks (tokens / slots: packing efficiency)
     grad_norm: float  # before clipping
@@ -99,7 +99,7 @@ def train_step(
         local = torch.stack(
             [torch.stack([objective.units(b), count_tokens(b), torch.tensor(b["input_ids"].numel(), device=device)]) for b in micro_batches]
         ).sum(0)
-        counts = collectives.all_reduce(local.to(torch.float64), device)
+        counts = collectives.all_reduce(local.double(), device)
     units = counts[0].clamp(min=1)
     scale = collectives.world_size() / units
 
@@ -129,6 +129,6 @@ def train_step(
         scheduler.step()  # the schedule follows steps taken, skipped or not
         optimizer.zero_grad(set_to_none=True)
     return StepStats(
-        loss=global_loss, target_tokens=int(counts[0]), tokens=int(counts[1]), slots=int(counts[2]), grad_norm=grad_norm,
+        loss=global_loss, units=int(counts[0]), tokens=int(counts[1]), slots=int(counts[2]), grad_norm=grad_norm,
         skipped=skipped, metrics=dict(zip(names, means)),
     )  # fmt: skip
