@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mlplat.train import collectives
-from mlplat.train.recipe import MetricWindow
+from mlplat.train.loop import MetricWindow
 
 ROOT = Path(__file__).resolve().parents[1]
 COLLECTIVE_NAMES = {

@@ -110,7 +110,7 @@ def test_a_slow_rank_is_flagged_and_the_run_survives_a_hang_and_a_killed_worker(
     assert any("-rank0-" in p for p in dumps) and any("-rank1-" in p for p in dumps), dumps
     hung = next(p for p in dumps if "-rank1-" in p)
     stacks = Path(client.download_artifacts(result.run_id, hung, str(tmp_path / "dl"))).read_text()
-    assert "inject_faults" in stacks and "train_loop_per_worker" in stacks  # where rank 1 was stuck, in the training thread
+    assert "inject_faults" in stacks and "sft_loop" in stacks  # where rank 1 was stuck, in the training thread
 
     # Two restarts: from step 8 after the hang (the watchdog stayed quiet afterwards), then from a checkpoint
     # before the kill: the one at step 16, or at step 8 when the kill lands before Ray Train's controller
@@ -129,10 +129,3 @@ def test_a_slow_rank_is_flagged_and_the_run_survives_a_hang_and_a_killed_worker(
     for values in replayed:
         assert values[1:] == pytest.approx(values[:1] * (len(values) - 1), rel=1e-5, abs=1e-6)
     assert result.final_loss < result.first_loss
-
-
-@pytest.mark.slow
-def test_diverging_run_aborts_with_a_clear_message(ray_cluster, tracking_uri, demo_data, tiny_model, tmp_path):
-    cfg = _config(demo_data, tiny_model, tmp_path, optim=OptimizerConfig(lr=1e30, warmup_steps=1), max_bad_steps_in_row=3, num_workers=1)
-    with pytest.raises(Exception, match="not finite for 3 steps in a row"):
-        run_sft(cfg, tracking_uri, tmp_path / "out")

@@ -11,7 +11,7 @@
              loss <- mean over the global batch's pairs of
                      -(1-eps) log sigmoid(r_c - r_r) - eps log sigmoid(r_r - r_c)    (cDPO, eps = label_smoothing)
              AdamW step (skipped if not finite); log loss, rewards/{chosen,rejected,margins,accuracies} -> MLflow
-    3. held-out pairs, before and after (rank 0): implicit reward margin and accuracy,
+    3. held-out pairs, before and after (scored on every rank): implicit reward margin and accuracy,
        and the log-prob margin log pi(chosen) - log pi(rejected); register the model
     output: run id, model version, held-out margins
 
@@ -29,19 +29,20 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import ray.train
 import torch
 from pydantic import BaseModel, Field
 
 from mlplat.data.preference import PreferenceDataConfig, prepare_preference_dataset, read_preference_pairs
 from mlplat.models import load_model, load_tokenizer
-from mlplat.tracking import ModelRef, RunLogger
+from mlplat.tracking import ModelRef
 from mlplat.train.batch import PairCollate, model_inputs
 from mlplat.train.checkpoint import CheckpointMeta
+from mlplat.train.loop import RecipeConfig, run_steps, train_shard, trainable, worker_setup
 from mlplat.train.losses import dpo_loss, sequence_logprobs
 from mlplat.train.optim import OptimizerConfig
 from mlplat.train.parallel import unwrap
-from mlplat.train.recipe import RecipeConfig, RecipeRun, run_steps, train_shard, trainable, worker_setup
+from mlplat.train.recipe import RecipeRun
+from mlplat.train.worker import WorkerEnv
 
 
 class DPOConfig(RecipeConfig):
@@ -91,26 +92,24 @@ class DPOObjective:
         }  # fmt: skip
 
 
-def train_loop_per_worker(config: dict) -> None:
-    cfg = DPOConfig.model_validate(config["cfg"])
-    rank = ray.train.get_context().get_world_rank()
-    logger = RunLogger(config["run_id"], config["tracking_uri"]) if rank == 0 else None
-    device = worker_setup(cfg)
-    tokenizer = load_tokenizer(config["model_dir"])
+def dpo_loop(cfg: DPOConfig, env: WorkerEnv) -> None:
+    """Every rank's loop (mlplat.train.worker): DPO steps on the shared skeleton."""
+    worker_setup(cfg)
+    tokenizer = load_tokenizer(cfg.model)
+    loader = train_shard(env, cfg.batch_size_per_worker, cfg.seed, PairCollate(tokenizer.pad_token_id))
+    policy, optimizer, scheduler, state = trainable(load_model(cfg.model), cfg, env)
+    reference = load_model(cfg.model, device=env.device).eval().requires_grad_(False)
+    meta = CheckpointMeta(base_model=cfg.model, format="consolidated")
+    # Every rank scores the held-out pairs (forwards stay in step under FSDP); rank 0 logs them.
+    held_out = read_preference_pairs(cfg.eval_data, tokenizer, cfg.data.max_seq_len) if cfg.eval_data else None
 
-    loader = train_shard(cfg.batch_size_per_worker, cfg.seed, PairCollate(tokenizer.pad_token_id), ray.train.get_checkpoint())
-    policy, optimizer, scheduler, state = trainable(load_model(config["model_dir"]), cfg, device)
-    reference = load_model(config["model_dir"], device=device).eval().requires_grad_(False)
-    meta = CheckpointMeta(base_model=config["model_dir"], format="consolidated")
-    held_out = read_preference_pairs(cfg.eval_data, tokenizer, cfg.data.max_seq_len) if cfg.eval_data and logger else None
-    if held_out and state.step == 0:
-        logger.log_metrics(_prefixed(held_out_margins(unwrap(policy), reference, held_out, tokenizer, cfg.beta, device), "eval_before"))
+    def margins(prefix: str) -> dict[str, float]:
+        return _prefixed(held_out_margins(unwrap(policy), reference, held_out, tokenizer, cfg.beta, env.device), prefix) if held_out else {}
 
-    def held_out_after() -> dict[str, float]:
-        return _prefixed(held_out_margins(unwrap(policy), reference, held_out, tokenizer, cfg.beta, device), "eval") if held_out else {}
-
+    if state.step == 0 and (before := margins("eval_before")) and env.logger:
+        env.logger.log_metrics(before)
     objective = DPOObjective(reference, cfg.beta, cfg.label_smoothing)
-    run_steps(cfg, loader, policy, optimizer, scheduler, state, objective, (meta, tokenizer), logger, held_out_after)
+    run_steps(cfg, env, loader, policy, optimizer, scheduler, state, objective, meta, tokenizer, lambda: margins("eval"))
 
 
 def _prefixed(margins: HeldOutMargins, prefix: str) -> dict[str, float]:
@@ -142,7 +141,7 @@ def run_dpo(cfg: DPOConfig, tracking_uri: str | None = None, work_dir: str | Pat
     with run.tracked():
         dataset, data_report = prepare_preference_dataset(cfg.data, str(run.model_dir), rejects_dir=run.work_dir / run.run_id)
         run.log_data_report(data_report)
-        result = run.fit(train_loop_per_worker, run.loop_config(), {"train": dataset})
+        result = run.fit(dpo_loop, {"train": dataset})
         final_dir, version = run.finish(result)
     client = run.logger.client
     losses = client.get_metric_history(run.run_id, "loss")

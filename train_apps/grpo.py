@@ -35,10 +35,8 @@ from pathlib import Path
 
 import numpy as np
 import ray
-import ray.train
 import torch
 from pydantic import BaseModel, Field, model_validator
-from ray.data.collate_fn import NumpyBatchCollateFn
 
 from mlplat.data.ingest import DataConfig
 from mlplat.data.rl_prompts import prepare_rl_prompt_dataset, prompt_messages
@@ -47,14 +45,16 @@ from mlplat.models import load_model, load_tokenizer
 from mlplat.observability import catalogue as oc
 from mlplat.rl.rewards import RewardConfig, build_reward_fn, start_reward_model
 from mlplat.rl.rollout import RolloutConfig, Sample, start_rollout_workers
-from mlplat.tracking import ModelRef, RunLogger, resolve_model
+from mlplat.tracking import ModelRef, resolve_model
 from mlplat.train import collectives
 from mlplat.train.batch import IGNORE_INDEX, pad_collate
 from mlplat.train.checkpoint import CheckpointMeta
+from mlplat.train.loop import MetricWindow, RecipeConfig, save, train_shard, trainable, worker_setup
 from mlplat.train.losses import group_advantages, grpo_loss, token_logprobs
 from mlplat.train.optim import OptimizerConfig
 from mlplat.train.parallel import full_state_dict
-from mlplat.train.recipe import MetricWindow, RecipeConfig, RecipeRun, save_and_report, train_shard, trainable, worker_setup
+from mlplat.train.recipe import RecipeRun
+from mlplat.train.worker import WorkerEnv
 
 
 class GRPOConfig(RecipeConfig):
@@ -99,7 +99,7 @@ class GRPOResult(BaseModel):
     max_logprob_diff: float  # largest |trainer - rollout engine| log-prob seen on sampled tokens, whole run
 
 
-class RowsCollate(NumpyBatchCollateFn):
+class RowsCollate:
     """Prompt rows stay JSON text in Ray Data (task fields vary); the trainer gets dicts."""
 
     def __call__(self, batch: dict[str, np.ndarray]) -> list[dict]:
@@ -130,22 +130,20 @@ def entropy(logits: torch.Tensor, mask: torch.Tensor) -> float:
     return ((per_token * mask).sum() / mask.sum().clamp(min=1)).item()
 
 
-def train_loop_per_worker(config: dict) -> None:
-    cfg = GRPOConfig.model_validate(config["cfg"])
-    context = ray.train.get_context()
-    rank, world_size = context.get_world_rank(), context.get_world_size()
-    logger = RunLogger(config["run_id"], config["tracking_uri"]) if rank == 0 else None
-    device = worker_setup(cfg)
-    tokenizer = load_tokenizer(config["model_dir"])
-    rollout_workers, reward_fn = config["rollout_workers"], build_reward_fn(cfg.reward, config.get("reward_scorer"))
+def grpo_loop(cfg: GRPOConfig, env: WorkerEnv, rollout_workers: list, reward_scorer=None) -> None:
+    """Every rank's loop (mlplat.train.worker), sampling from its rollout actor."""
+    worker_setup(cfg)
+    rank, world_size, device, logger = collectives.rank(), collectives.world_size(), env.device, env.logger
+    tokenizer = load_tokenizer(cfg.model)
+    reward_fn = build_reward_fn(cfg.reward, reward_scorer)
     my_rollout = rollout_workers[rank % len(rollout_workers)]
 
-    loader = train_shard(cfg.batch_size_per_worker, cfg.seed, RowsCollate(), ray.train.get_checkpoint())
-    policy, optimizer, scheduler, state = trainable(load_model(config["model_dir"]), cfg, device)
-    reference = load_model(config["model_dir"], device=device).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+    loader = train_shard(env, cfg.batch_size_per_worker, cfg.seed, RowsCollate())
+    policy, optimizer, scheduler, state = trainable(load_model(cfg.model), cfg, env)
+    reference = load_model(cfg.model, device=device).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
     if state.step > 0:  # restarted from a checkpoint: the actors may hold other weights
         sync_weights(policy, rollout_workers, rank, device)
-    meta = CheckpointMeta(base_model=config["model_dir"], format="consolidated")
+    meta = CheckpointMeta(base_model=cfg.model, format="consolidated")
     sampling = {"n": cfg.group_size, "max_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p}
     eval_rows = read_eval_rows(cfg.eval_data, cfg.eval_limit) if cfg.eval_data and logger else None
     if eval_rows and state.step == 0:
@@ -198,7 +196,7 @@ def train_loop_per_worker(config: dict) -> None:
         sync_s = time.perf_counter() - start
 
         state.step += 1
-        state.data = loader.position
+        state.data = loader.position.model_copy()
         completion_tokens = sum(len(s.completion_ids) for s in samples)
         window.add({
             "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item(), "entropy": step_entropy,
@@ -215,10 +213,9 @@ def train_loop_per_worker(config: dict) -> None:
                 metrics["eval/exact_match"] = held_out_exact_match(my_rollout, eval_rows, cfg.max_new_tokens)
             if logger:
                 logger.log_metrics(metrics, step=state.step)
-                export_metrics(metrics, config["run_id"])
-            save = state.step % cfg.checkpoint_every == 0 or last
-            if save:
-                save_and_report({"step": state.step, **metrics}, (policy, optimizer, scheduler, state, meta, tokenizer))
+                export_metrics(metrics, env.run_id)
+            if state.step % cfg.checkpoint_every == 0 or last:
+                save(env, metrics, policy, optimizer, scheduler, state, meta, tokenizer)
 
 
 def export_metrics(metrics: dict[str, float], run_id: str) -> None:
@@ -263,7 +260,7 @@ def run_grpo(cfg: GRPOConfig, tracking_uri: str | None = None, work_dir: str | P
             if cfg.reward.kind == "reward_model":
                 rm_dir = resolve_model(cfg.reward.reward_model, download_dir=run.work_dir / "downloads", tracking_uri=run.tracking_uri)
                 scorer = start_reward_model(cfg.reward, str(rm_dir))
-            result = run.fit(train_loop_per_worker, run.loop_config(rollout_workers=rollout_workers, reward_scorer=scorer), {"train": dataset})
+            result = run.fit(grpo_loop, {"train": dataset}, extra={"rollout_workers": rollout_workers, "reward_scorer": scorer})
             final_dir, version = run.finish(result)
     finally:
         for actor in [*rollout_workers, *([scorer] if scorer else [])]:

@@ -9,7 +9,7 @@
              (chosen, rejected) <- next grad_accum_steps micro-batches of pairs; one forward scores both sides
              loss <- mean over the global batch's pairs of -log sigmoid(r(chosen) - r(rejected))  (Bradley-Terry)
              AdamW step (skipped if not finite), LR warmup + cosine; log loss, accuracy, reward margin -> MLflow
-    3. pairwise accuracy on held-out pairs (rank 0); the HF checkpoint (architecture
+    3. pairwise accuracy on held-out pairs (every rank scores them all); the HF checkpoint (architecture
        *ForSequenceClassification) is registered in MLflow and scores responses for RL
        through ``mlplat.rl.rewards.RewardModelScorer``
     output: run id, model version, held-out accuracy
@@ -22,18 +22,19 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import ray.train
 import torch
 from pydantic import BaseModel
 
 from mlplat.data.preference import PreferenceDataConfig, prepare_preference_dataset, read_preference_pairs
 from mlplat.models import load_reward_model, load_tokenizer
-from mlplat.tracking import ModelRef, RunLogger
+from mlplat.tracking import ModelRef
 from mlplat.train.batch import PairCollate
 from mlplat.train.checkpoint import CheckpointMeta
+from mlplat.train.loop import RecipeConfig, run_steps, train_shard, trainable, worker_setup
 from mlplat.train.losses import bradley_terry_loss
 from mlplat.train.parallel import unwrap
-from mlplat.train.recipe import RecipeConfig, RecipeRun, run_steps, train_shard, trainable, worker_setup
+from mlplat.train.recipe import RecipeRun
+from mlplat.train.worker import WorkerEnv
 
 
 class RewardModelConfig(RecipeConfig):
@@ -64,23 +65,18 @@ class PairwiseObjective:
         return bradley_terry_loss(chosen, rejected).sum(), {"accuracy": (margin > 0).sum(), "reward_margin": margin.sum()}
 
 
-def train_loop_per_worker(config: dict) -> None:
-    cfg = RewardModelConfig.model_validate(config["cfg"])
-    rank = ray.train.get_context().get_world_rank()
-    logger = RunLogger(config["run_id"], config["tracking_uri"]) if rank == 0 else None
-    device = worker_setup(cfg)
-    tokenizer = load_tokenizer(config["model_dir"])
+def reward_model_loop(cfg: RewardModelConfig, env: WorkerEnv) -> None:
+    """Every rank's loop (mlplat.train.worker): Bradley-Terry steps on the shared skeleton."""
+    worker_setup(cfg)
+    tokenizer = load_tokenizer(cfg.model)
+    loader = train_shard(env, cfg.batch_size_per_worker, cfg.seed, PairCollate(tokenizer.pad_token_id))
+    model, optimizer, scheduler, state = trainable(load_reward_model(cfg.model), cfg, env)
+    meta = CheckpointMeta(base_model=cfg.model, format="consolidated")
 
-    loader = train_shard(cfg.batch_size_per_worker, cfg.seed, PairCollate(tokenizer.pad_token_id), ray.train.get_checkpoint())
-    model, optimizer, scheduler, state = trainable(load_reward_model(config["model_dir"]), cfg, device)
-    meta = CheckpointMeta(base_model=config["model_dir"], format="consolidated")
+    def held_out() -> dict[str, float]:  # every rank scores the pairs: forwards stay in step under FSDP
+        return {"eval/accuracy": pairwise_accuracy(unwrap(model), tokenizer, cfg.eval_data, cfg.data.max_seq_len, env.device)} if cfg.eval_data else {}
 
-    def held_out() -> dict[str, float]:
-        if not (cfg.eval_data and logger):  # rank 0 evaluates
-            return {}
-        return {"eval/accuracy": pairwise_accuracy(unwrap(model), tokenizer, cfg.eval_data, cfg.data.max_seq_len, device)}
-
-    run_steps(cfg, loader, model, optimizer, scheduler, state, PairwiseObjective(), (meta, tokenizer), logger, held_out)
+    run_steps(cfg, env, loader, model, optimizer, scheduler, state, PairwiseObjective(), meta, tokenizer, held_out)
 
 
 @torch.no_grad()
@@ -105,7 +101,7 @@ def run_reward_model(cfg: RewardModelConfig, tracking_uri: str | None = None, wo
     with run.tracked():
         dataset, data_report = prepare_preference_dataset(cfg.data, str(run.model_dir), rejects_dir=run.work_dir / run.run_id)
         run.log_data_report(data_report)
-        result = run.fit(train_loop_per_worker, run.loop_config(), {"train": dataset})
+        result = run.fit(reward_model_loop, {"train": dataset})
         final_dir, version = run.finish(result)
     losses = run.logger.client.get_metric_history(run.run_id, "loss")
     return RewardModelResult(

@@ -21,42 +21,30 @@ Run: ``python -m train_apps.sft --config sft.yaml --set optim.lr=3e-4``.
 
 from __future__ import annotations
 
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Literal
 
-import ray
-import ray.train
-import torch
-from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from pydantic import BaseModel, Field, model_validator
-from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
 
-from mlplat.config import to_flat_params
 from mlplat.data.ingest import check_sources
-from mlplat.data.loader import deterministic_data_config
 from mlplat.data.sft import DataReport, SFTDataConfig, prepare_sft_dataset
-from mlplat.errors import CheckpointError, ConfigError
 from mlplat.health.marking import accepted_worker_resources
 from mlplat.health.training import FaultInjection, RankHealth, TrainingHealthConfig
 from mlplat.models import load_model, load_tokenizer
 from mlplat.observability import catalogue as metrics_catalogue
 from mlplat.observability.profiling import ProfileConfig, StepProfiler, step_time_summary
-from mlplat.runtime import init_ray
-from mlplat.tracking import ModelRef, RunLogger, register_model_dir, resolve_model, start_run
+from mlplat.tracking import ModelRef
+from mlplat.train import collectives
 from mlplat.train.batch import PadCollate
-from mlplat.train.checkpoint import MODEL_DIR, TRAIN_STATE, CheckpointFormat, CheckpointMeta, TrainState, load_checkpoint, read_train_state
-from mlplat.train.data_workers import warm_data_workers
+from mlplat.train.checkpoint import CheckpointFormat, CheckpointMeta
+from mlplat.train.loop import RecipeConfig, next_micro_batches, record_step, save, train_shard, trainable, worker_setup
 from mlplat.train.lora import LoRAConfig, apply_lora
-from mlplat.train.optim import build_lr_scheduler, build_optimizer
-from mlplat.train.parallel import parallelize, unwrap
+from mlplat.train.parallel import unwrap
 from mlplat.train.perf import PhaseTimer, flops_per_token, measure_cpu_peak_flops, peak_flops
-from mlplat.train.recipe import RecipeConfig, fit_and_release, git_commit, next_micro_batches, record_step, save_and_report, train_shard
+from mlplat.train.recipe import RecipeRun
 from mlplat.train.step import StepStats, train_step
+from mlplat.train.worker import WorkerEnv
 
 
 class SFTConfig(RecipeConfig):
@@ -64,13 +52,9 @@ class SFTConfig(RecipeConfig):
     lora: LoRAConfig | None = None  # train LoRA adapters instead of all weights; exported merged
     max_steps: int = Field(default=500, gt=0)
     batch_size_per_worker: int = Field(default=32, gt=0)  # rows per micro-batch
-    deterministic_data: bool = True  # same batches in the same order on every run: exact resume (see mlplat.data.loader)
     checkpoint_every: int = Field(default=250, gt=0)
     checkpoint_format: CheckpointFormat = "sharded"
     checkpoint_hf: bool = True  # also export a servable HF model into every checkpoint (always into the last)
-    checkpoint_score_metric: str | None = None  # e.g. "loss": keep the best by it instead of the latest
-    checkpoint_score_order: Literal["min", "max"] = "min"
-    resume_from: str | None = None  # a checkpoint directory of an earlier run to continue from
     peak_tflops: float | None = None  # per device, for MFU; default: table of GPUs, measured on CPU
     experiment: str = "mlplat-sft"
     registered_model: str | None = "sft-model"  # None: log the model but do not register it
@@ -100,52 +84,33 @@ class SFTResult(BaseModel):
     data: DataReport
 
 
-def train_loop_per_worker(config: dict) -> None:
-    cfg = SFTConfig.model_validate(config["sft"])
-    context = ray.train.get_context()
-    rank, world_size = context.get_world_rank(), context.get_world_size()
-    logger = RunLogger(config["run_id"], config["tracking_uri"]) if rank == 0 else None
-    monitor = SystemMetricsMonitor(config["run_id"], tracking_uri=config["tracking_uri"]) if rank == 0 else None
-    if monitor:
-        monitor.start()  # MLflow's system/* metrics (CPU, memory, GPU) of rank 0's node
-    health = RankHealth(cfg.health, cfg.debug, config["run_id"], config["tracking_uri"], ray.train.torch.get_device(), logger)
+def sft_loop(cfg: SFTConfig, env: WorkerEnv) -> None:
+    """Every rank's loop (mlplat.train.worker)."""
+    health = RankHealth(cfg.health, cfg.debug, env)
     try:
-        _train(cfg, config, rank, world_size, logger, health)
+        _train(cfg, env, health)
     finally:
         health.close()
-        if monitor:
-            monitor.finish()
 
 
-def _train(cfg: SFTConfig, config: dict, rank: int, world_size: int, logger: RunLogger | None, health: RankHealth) -> None:
-    torch.manual_seed(cfg.seed)
-    if not cfg.use_gpu:
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    device = ray.train.torch.get_device()
-    tokenizer = load_tokenizer(config["model_dir"])
-    # A restart after a failure continues from this run's latest checkpoint; a new run from resume_from.
-    checkpoint = ray.train.get_checkpoint() or (Checkpoint(cfg.resume_from) if cfg.resume_from else None)
-
+def _train(cfg: SFTConfig, env: WorkerEnv, health: RankHealth) -> None:
+    worker_setup(cfg)
+    device, logger = env.device, env.logger
+    tokenizer = load_tokenizer(cfg.model)
     # The data stream starts first, at the checkpoint's data position: its start-up overlaps building the model.
     collate = None if cfg.data.pack else PadCollate(tokenizer.pad_token_id)  # packed rows are fixed-length
-    loader = train_shard(cfg.batch_size_per_worker, cfg.seed, collate, checkpoint)
-    model = load_model(config["model_dir"])
+    loader = train_shard(env, cfg.batch_size_per_worker, cfg.seed, collate)
+    model = load_model(cfg.model)
     if cfg.lora:
         model = apply_lora(model, cfg.lora)
-    model = parallelize(model, cfg.parallel, device)
-    optimizer = build_optimizer(model, cfg.optim)
-    scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.max_steps)
-    state = TrainState()
-    if checkpoint:
-        with checkpoint.as_directory() as ckpt:
-            state = load_checkpoint(Path(ckpt), model, optimizer, scheduler)
-        if logger:
-            logger.log_metrics({"restored_from_step": state.step}, step=state.step)
+    model, optimizer, scheduler, state = trainable(model, cfg, env)
+    if env.restore_from and logger:
+        logger.log_metrics({"restored_from_step": state.step}, step=state.step)
     timer = PhaseTimer(device)
-    meta = CheckpointMeta(base_model=config["model_dir"], lora=cfg.lora.model_dump() if cfg.lora else None, format=cfg.checkpoint_format)
-    window = _Window(world_size, flops_per_token(unwrap(model), cfg.data.max_seq_len), peak_flops(device, config["peak_tflops"]))
-    gauges = _Gauges(config["run_id"], rank)
-    profiler = StepProfiler(cfg.profile, device, logger) if cfg.profile and rank == 0 else None
+    meta = CheckpointMeta(base_model=cfg.model, lora=cfg.lora.model_dump() if cfg.lora else None, format=cfg.checkpoint_format)
+    window = _Window(collectives.world_size(), flops_per_token(unwrap(model), cfg.data.max_seq_len), peak_flops(device, cfg.peak_tflops))
+    gauges = _Gauges(env.run_id, collectives.rank())
+    profiler = StepProfiler(cfg.profile, device, logger) if cfg.profile and logger else None
     bf16 = cfg.use_gpu and cfg.bf16
     while state.step < cfg.max_steps:
         step_start = time.perf_counter()
@@ -159,7 +124,7 @@ def _train(cfg: SFTConfig, config: dict, rank: int, world_size: int, logger: Run
         if profiler:
             profiler.step()
         if state.step == 1:
-            window.time_to_first_step_s = time.time() - config["job_start_time"]
+            window.time_to_first_step_s = time.time() - env.start_time
         if state.step % cfg.log_every == 0 or state.step == cfg.max_steps:
             metrics = {"lr": scheduler.get_last_lr()[0], "skipped_steps": state.skipped_steps, "epoch": state.data.epoch, **window.metrics()}
             metrics |= health.end_window(metrics)  # per-rank local step times compared; may stop a job with a straggler
@@ -167,9 +132,8 @@ def _train(cfg: SFTConfig, config: dict, rank: int, world_size: int, logger: Run
             if logger:
                 logger.log_metrics(metrics | (step_time_summary(window.total_phase_s, window.total_step_s) if last else {}), step=state.step)
             gauges.set(metrics, window.steps, window.skipped)
-            save = state.step % cfg.checkpoint_every == 0 or last
-            if save:
-                save_and_report({"step": state.step, **metrics}, (model, optimizer, scheduler, state, meta, tokenizer), export_hf=cfg.checkpoint_hf or last)
+            if state.step % cfg.checkpoint_every == 0 or last:
+                save(env, metrics, model, optimizer, scheduler, state, meta, tokenizer, export_hf=cfg.checkpoint_hf or last)
             window = window.next()
         health.step_done()
     if profiler:
@@ -264,94 +228,25 @@ class _Gauges:
 
 def run_sft(cfg: SFTConfig, tracking_uri: str | None = None, work_dir: str | Path = "outputs") -> SFTResult:
     """Run the recipe on the connected Ray cluster (``ray.init()`` is called if needed)."""
-    from mlplat.tracking.runs import default_tracking_uri
-
-    job_start_time = time.time()
-    tracking_uri = tracking_uri or default_tracking_uri()
-    model_dir = resolve_model(cfg.model, download_dir=Path(work_dir) / "downloads", tracking_uri=tracking_uri)
-    if cfg.resume_from:
-        if "://" not in cfg.resume_from:  # workers may run elsewhere: an absolute path
-            cfg = cfg.model_copy(update={"resume_from": str(Path(cfg.resume_from).resolve())})
-        try:
-            resumed_step = read_train_state(Checkpoint(cfg.resume_from)).step
-        except FileNotFoundError:
-            raise CheckpointError(f"resume_from: {cfg.resume_from} is not a training checkpoint directory (no {TRAIN_STATE})") from None
-        except Exception as err:  # noqa: BLE001 - a truncated or foreign file: say which and why, not a traceback
-            raise CheckpointError(f"resume_from: cannot read {cfg.resume_from}/{TRAIN_STATE} ({type(err).__name__}: {err})") from None
-        if resumed_step >= cfg.max_steps:
-            raise ConfigError(f"resume_from: the checkpoint is at step {resumed_step}, not before max_steps={cfg.max_steps}: raise max_steps")
     check_sources(cfg.data)  # a wrong data path fails here, before a cluster or an MLflow run is started
     # Measured before Ray and the data pipeline start, on one worker's threads (Ray gives each one CPU).
-    peak_tflops = cfg.peak_tflops or (None if cfg.use_gpu else measure_cpu_peak_flops(threads=1) / 1e12)
-    init_ray(num_training_workers=cfg.num_workers)
-    tags = {"mlplat.recipe": "sft", "mlplat.resumed_from": cfg.resume_from or ""}
-    if commit := git_commit():
-        tags["mlflow.source.git.commit"] = commit
-    if peak_tflops:
-        tags["mlplat.mfu.peak_tflops_per_worker"] = f"{peak_tflops:.4g}"
-    run_id = start_run(cfg.experiment, cfg.run_name, params=to_flat_params(cfg), tags=tags, tracking_uri=tracking_uri)
-    logger = RunLogger(run_id, tracking_uri)
-    try:
-        dataset, report = prepare_sft_dataset(cfg.data, str(model_dir), rejects_dir=Path(work_dir) / run_id)
-        logger.set_tags({"mlplat.data.fingerprint": report.fingerprint})
+    if not cfg.peak_tflops and not cfg.use_gpu:
+        cfg = cfg.model_copy(update={"peak_tflops": measure_cpu_peak_flops(threads=1) / 1e12})
+    tags = {"mlplat.mfu.peak_tflops_per_worker": f"{cfg.peak_tflops:.4g}"} if cfg.peak_tflops else {}
+    run = RecipeRun("sft", cfg, tracking_uri, work_dir, tags=tags)
+    with run.tracked():
+        dataset, report = prepare_sft_dataset(cfg.data, str(run.model_dir), rejects_dir=run.work_dir / run.run_id)
+        run.log_data_report(report)
         for reason, rows in report.bad_rows_by_reason.items():
-            metrics_catalogue.TRAIN_REJECTED_ROWS.inc(rows, recipe="sft", run_id=run_id, reason=reason[:80])
-        logger.log_metrics({
-            "data.bad_rows": report.bad_rows,
-            "data.rows_read": report.rows_read,
-            "data.rows_used": report.rows_used,
-            **{f"data.source{i}.rows_used": s.rows_used for i, s in enumerate(report.sources)},
-        })
-        storage = str(Path(cfg.storage_path).resolve()) if "://" not in cfg.storage_path else cfg.storage_path
-        trainer = TorchTrainer(
-            train_loop_per_worker,
-            train_loop_config={
-                "sft": cfg.model_dump(mode="json"),
-                "run_id": run_id,
-                "tracking_uri": tracking_uri,
-                "model_dir": str(model_dir),
-                "job_start_time": job_start_time,
-                "peak_tflops": peak_tflops,
-            },
-            scaling_config=ScalingConfig(
-                num_workers=cfg.num_workers,
-                use_gpu=cfg.use_gpu,
-                resources_per_worker=accepted_worker_resources(cfg.use_gpu) if cfg.health.accepted_nodes_only else None,
-            ),
-            datasets={"train": dataset},
-            dataset_config=deterministic_data_config() if cfg.deterministic_data else None,
-            run_config=RunConfig(
-                name=f"sft-{run_id}",
-                storage_path=storage,
-                failure_config=FailureConfig(max_failures=cfg.max_failures),
-                checkpoint_config=CheckpointConfig(
-                    num_to_keep=cfg.num_checkpoints_to_keep,
-                    checkpoint_score_attribute=cfg.checkpoint_score_metric,
-                    checkpoint_score_order=cfg.checkpoint_score_order,
-                ),
-            ),
-        )
-        warm_data_workers(cfg.num_workers)  # the pipeline's first task processes start beside the trainer's
-        result = fit_and_release(trainer)
-        losses = logger.client.get_metric_history(run_id, "loss")
-        final_dir = Path(work_dir) / run_id / "final"
-        with result.checkpoint.as_directory() as ckpt:
-            shutil.copytree(Path(ckpt) / MODEL_DIR, final_dir, dirs_exist_ok=True)
-        checkpoints = [{"path": c.path, "step": m.get("step"), "loss": m.get("loss")} for c, m in result.best_checkpoints]
-        logger.log_dict({"checkpoints": checkpoints, "latest": result.checkpoint.path}, "checkpoints.json")
-        logger.set_tags({"mlplat.checkpoint.latest": result.checkpoint.path})
-        version = None
-        if cfg.registered_model:
-            version = register_model_dir(run_id, final_dir, cfg.registered_model, cfg.registered_alias, tracking_uri)
-        else:
-            logger.log_artifacts(final_dir, "model")
-        logger.end()
-    except BaseException:
-        logger.end("FAILED")
-        raise
+            metrics_catalogue.TRAIN_REJECTED_ROWS.inc(rows, recipe="sft", run_id=run.run_id, reason=reason[:80])
+        run.logger.log_metrics({"data.rows_used": report.rows_used, **{f"data.source{i}.rows_used": s.rows_used for i, s in enumerate(report.sources)}})
+        resources = accepted_worker_resources(cfg.use_gpu) if cfg.health.accepted_nodes_only else None
+        result = run.fit(sft_loop, {"train": dataset}, resources_per_worker=resources)
+        final_dir, version = run.finish(result)
+    losses = run.logger.client.get_metric_history(run.run_id, "loss")
     final = result.metrics
     return SFTResult(
-        run_id=run_id,
+        run_id=run.run_id,
         model_dir=str(final_dir),
         model_version=version,
         first_loss=min(losses, key=lambda m: m.step).value,

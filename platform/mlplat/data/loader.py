@@ -1,7 +1,7 @@
-"""A training worker's view of its Ray Data shard: epochs, a resumable position, data-wait time.
+"""A training worker's view of its data shard (Ray Data's, or rows in memory): epochs, a resumable position, data-wait time.
 
 Exact resume needs the same batches in the same order after a restart. Ray Data gives
-that when the train datasets run with ``preserve_order`` (``deterministic_data_config``):
+that when the train datasets run with ``preserve_order`` (``mlplat.train.recipe.deterministic_data_config``):
 the streaming split then hands blocks to workers in a fixed order (Ray drops locality
 hints for it), and the local shuffle buffer is seeded per epoch. The position saved in
 a checkpoint is (epoch, batches drawn in that epoch); resuming replays the epoch's
@@ -20,10 +20,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
-from ray.data import DataIterator, ExecutionOptions
-from ray.train import DataConfig
+
+if TYPE_CHECKING:
+    from mlplat.train.worker import DataShard
 
 
 class DataPosition(BaseModel):
@@ -32,17 +34,12 @@ class DataPosition(BaseModel):
     rows_consumed: int = 0  # rows this worker drew since the start of training
 
 
-def deterministic_data_config() -> DataConfig:
-    """Ray Train ``dataset_config`` whose shards yield the same rows in the same order on every run."""
-    return DataConfig(execution_options=ExecutionOptions(preserve_order=True))
-
-
 class ShardLoader:
     """Endless batches from a worker's shard, epoch after epoch, starting at ``position``."""
 
     def __init__(
         self,
-        shard: DataIterator,
+        shard: DataShard,
         batch_size: int,
         collate_fn: Callable | None,
         seed: int,

@@ -1,8 +1,8 @@
-"""Straggler and hang detection wired into a Ray Train loop: the ``health:`` and ``debug:`` sections of a recipe.
+"""Straggler and hang detection wired into a recipe's loop: the ``health:`` and ``debug:`` sections of a recipe.
 
-In the loop, per rank::
+In the loop, per rank (``env``: the loop's mlplat.train.worker.WorkerEnv)::
 
-    health = RankHealth(cfg.health, cfg.debug, run_id, tracking_uri, device, logger)
+    health = RankHealth(cfg.health, cfg.debug, env)
     every step:        health.inject_faults(step)   (inside the data-wait phase; no-op unless cfg.debug says so)
                        ... the step ...
                        health.step_done()
@@ -19,8 +19,6 @@ import threading
 import time
 from pathlib import Path
 
-import ray
-import ray.train
 import torch
 from pydantic import Field
 
@@ -31,6 +29,7 @@ from mlplat.health.straggler import StragglerConfig, StragglerDetector, Straggle
 from mlplat.observability.catalogue import TRAIN_RANK_SLOWDOWN
 from mlplat.tracking import RunLogger
 from mlplat.train import collectives
+from mlplat.train.worker import WorkerEnv
 
 log = logging.getLogger("mlplat.health")
 
@@ -58,29 +57,17 @@ class FaultInjection(Config):
 class RankHealth:
     """One rank's straggler detector and hang watchdog; rank 0 reports to MLflow, Prometheus and the log."""
 
-    def __init__(
-        self,
-        cfg: TrainingHealthConfig,
-        debug: FaultInjection,
-        run_id: str,
-        tracking_uri: str,
-        device: torch.device,
-        logger: RunLogger | None,
-    ):
-        context = ray.train.get_context()
-        self.cfg, self.debug, self.run_id, self.tracking_uri, self.device, self.logger = cfg, debug, run_id, tracking_uri, device, logger
-        self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
-        self.first_attempt = ray.train.get_checkpoint() is None  # a restart after a failure restores this run's latest checkpoint
+    def __init__(self, cfg: TrainingHealthConfig, debug: FaultInjection, env: WorkerEnv):
+        self.cfg, self.debug, self.env, self.device, self.logger = cfg, debug, env, env.device, env.logger
+        self.run_id = env.run_id
+        self.rank, self.world_size = collectives.rank(), collectives.world_size()
+        self.first_attempt = not env.restarted  # a restart after a failure restores this run's latest checkpoint
         self.detector = StragglerDetector(cfg.straggler)
-        self.nodes = self._gather_nodes()
+        self.nodes = collectives.all_gather_object(env.node())
         self.watchdog = None
         if cfg.hang.enabled:
-            stacks = Path(tempfile.gettempdir()) / "mlplat-health" / f"{run_id}-rank{self.rank}-pid{os.getpid()}-stacks.txt"
+            stacks = Path(tempfile.gettempdir()) / "mlplat-health" / f"{self.run_id}-rank{self.rank}-pid{os.getpid()}-stacks.txt"
             self.watchdog = HangWatchdog(cfg.hang.timeout_s, stacks, self._on_hang).start()
-
-    def _gather_nodes(self) -> list[dict[str, str]]:
-        me = {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address()}
-        return collectives.all_gather_object(me)
 
     def inject_faults(self, step: int) -> None:
         """Debug hooks: sleep (a slow rank) or stop for good (a hung rank) before ``step``."""
@@ -130,9 +117,10 @@ class RankHealth:
         message = f"rank {self.rank} on node {self.nodes[self.rank]['ip']}: no step completed for {self.cfg.hang.timeout_s:g} s"
         log.error("hang: %s; stacks in %s", message, stacks_file)
         try:
-            logger = RunLogger(self.run_id, self.tracking_uri)
-            logger.client.log_artifact(self.run_id, str(stacks_file), "health/hang")
-            logger.set_tags({f"mlplat.health.hang.rank{self.rank}": message})
+            if self.env.tracking_uri:
+                logger = RunLogger(self.run_id, self.env.tracking_uri)
+                logger.client.log_artifact(self.run_id, str(stacks_file), "health/hang")
+                logger.set_tags({f"mlplat.health.hang.rank{self.rank}": message})
             time.sleep(self.cfg.hang.exit_grace_s)
         finally:
             logging.shutdown()

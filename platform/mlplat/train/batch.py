@@ -7,7 +7,6 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
-from ray.data.collate_fn import NumpyBatchCollateFn
 
 from mlplat.data.labels import IGNORE_INDEX, PAD_SEQ_ID
 
@@ -27,7 +26,7 @@ def pad_collate(batch: dict[str, np.ndarray], pad_token_id: int) -> dict[str, to
 
 
 
-class PadCollate(NumpyBatchCollateFn):
+class PadCollate:
     """``iter_torch_batches`` collate function: right-pad tokenized rows (mlplat.data.sft) into tensors."""
 
     def __init__(self, pad_token_id: int):
@@ -37,7 +36,7 @@ class PadCollate(NumpyBatchCollateFn):
         return pad_collate(batch, self.pad_token_id)
 
 
-class PairCollate(NumpyBatchCollateFn):
+class PairCollate:
     """Preference pairs (mlplat.data.preference): chosen rows then rejected rows, right-padded into one
     batch of 2B, so one forward scores both sides."""
 

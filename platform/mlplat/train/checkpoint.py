@@ -116,12 +116,15 @@ def load_checkpoint(
     return TrainState.model_validate(saved["state"])
 
 
-def read_train_state(checkpoint: Checkpoint) -> TrainState:
+def read_train_state(checkpoint: Checkpoint | str | Path) -> TrainState:
     """A checkpoint's train state alone (step, data position), read from wherever it is stored
     without fetching the weights: what a worker needs before its model is built."""
-    with checkpoint.filesystem.open_input_file(f"{checkpoint.path}/{TRAIN_STATE}") as f:
-        saved = torch.load(io.BytesIO(f.read()), weights_only=True)
-    return TrainState.model_validate(saved["state"])
+    if isinstance(checkpoint, (str, Path)):
+        data = (Path(checkpoint) / TRAIN_STATE).read_bytes()
+    else:
+        with checkpoint.filesystem.open_input_file(f"{checkpoint.path}/{TRAIN_STATE}") as f:
+            data = f.read()
+    return TrainState.model_validate(torch.load(io.BytesIO(data), weights_only=True)["state"])
 
 
 def export_hf_model(out_dir: Path, model: torch.nn.Module, tokenizer=None) -> None:

@@ -1,0 +1,125 @@
+"""The recipes' loops under plain torch.distributed (gloo, 2 processes, no Ray): exact resume, gradient
+accumulation equal to one big batch, and the non-finite guard, for SFT, the reward model and DPO.
+
+Each run spawns its ranks with ``mlplat.train.worker.run_local``: the loop is the one Ray Train
+launches, on a ``LocalWorkerEnv`` (rows in memory, checkpoints in a directory). The Ray side (Ray
+Data's deterministic shards, Ray Train's restarts) is tested end to end in test_sft*.py and test_posttrain.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mlplat.data.preference import PreferenceDataConfig, PreferenceTokenizer
+from mlplat.data.sft import ChatTokenizer, SFTDataConfig
+from mlplat.errors import CheckpointError, ConfigError
+from mlplat.train.checkpoint import MODEL_DIR, export_checkpoint
+from mlplat.train.optim import OptimizerConfig
+from mlplat.train.worker import run_local
+from train_apps.dpo import DPOConfig, dpo_loop
+from train_apps.reward_model import RewardModelConfig, reward_model_loop
+from train_apps.sft import SFTConfig, sft_loop
+
+pytestmark = pytest.mark.slow  # 2-3 process groups per test, ~25 s each: in `make test`, not `make test-fast`
+
+WORLD = 2
+
+
+def _rows(udf, path, limit: int) -> list[dict]:
+    """Tokenized rows, made by the Ray Data pipeline's own tokenizer function over one batch of JSONL lines."""
+    with open(path) as f:
+        columns = udf({"text": [line for line, _ in zip(f, range(limit))]})
+    return [dict(zip(columns, values)) for values in zip(*columns.values())]
+
+
+@pytest.fixture(scope="module")
+def recipes(demo_data, tiny_model):
+    """(config, loop, rows) per recipe: 6 steps of 2 ranks x 4 rows, logged every step and checkpointed every 3."""
+    common = {
+        "model": str(tiny_model), "max_steps": 6, "batch_size_per_worker": 4, "num_workers": WORLD,
+        "log_every": 1, "checkpoint_every": 3, "num_checkpoints_to_keep": None, "registered_model": None,
+    }  # fmt: skip
+    sft_data = SFTDataConfig(path=str(demo_data.sft), max_seq_len=64)
+    preference_data = PreferenceDataConfig(path=str(demo_data.preferences), max_seq_len=64)
+    return {
+        "sft": (SFTConfig(data=sft_data, optim=OptimizerConfig(lr=2e-3, warmup_steps=2), checkpoint_format="sharded", peak_tflops=1.0, **common),
+                sft_loop, _rows(ChatTokenizer(str(tiny_model), 64), demo_data.sft, 96)),
+        "reward_model": (RewardModelConfig(data=preference_data, optim=OptimizerConfig(lr=1e-3, warmup_steps=2), **common),
+                         reward_model_loop, _rows(PreferenceTokenizer(str(tiny_model), 64), demo_data.preferences, 96)),
+        "dpo": (DPOConfig(data=preference_data, optim=OptimizerConfig(lr=1e-3, warmup_steps=2), **common),
+                dpo_loop, _rows(PreferenceTokenizer(str(tiny_model), 64), demo_data.preferences, 96)),
+    }  # fmt: skip
+
+
+def _weights(checkpoint) -> dict[str, torch.Tensor]:
+    return load_file(checkpoint / MODEL_DIR / "model.safetensors")
+
+
+@pytest.mark.parametrize("recipe", ["sft", "reward_model", "dpo"])
+def test_a_run_resumed_from_its_checkpoint_continues_exactly_and_accumulation_equals_one_big_batch(recipes, recipe, tmp_path):
+    cfg, loop, rows = recipes[recipe]
+    straight = run_local(loop, cfg, WORLD, tmp_path / "straight", {"train": rows})
+    assert [m["step"] for m in straight.metrics] == [1, 2, 3, 4, 5, 6]
+    assert [c.name for c in straight.checkpoints] == ["checkpoint_000003", "checkpoint_000006"]  # every 3 steps, whatever log_every
+    if recipe == "sft":  # in 6 steps only SFT's loss is sure to fall
+        assert straight.metrics[-1]["loss"] < straight.metrics[0]["loss"]
+
+    # A new run from the step-3 checkpoint (weights, optimizer, scheduler, RNG, data position) redoes steps 4-6.
+    resumed = run_local(loop, cfg, WORLD, tmp_path / "resumed", {"train": rows}, restore_from=straight.checkpoints[0])
+    windows = [m for m in resumed.metrics if "loss" in m]
+    assert [m["step"] for m in windows] == [4, 5, 6]
+    if recipe == "sft":
+        assert resumed.metrics[0] == {"step": 3, "restored_from_step": 3}
+    for redone, original in zip(windows, straight.metrics[3:]):
+        assert redone["loss"] == pytest.approx(original["loss"], rel=1e-5, abs=1e-7), redone["step"]
+    for name, tensor in _weights(straight.checkpoints[-1]).items():
+        torch.testing.assert_close(_weights(resumed.checkpoints[-1])[name], tensor, rtol=1e-5, atol=1e-7, msg=name)
+
+    # Half the rows per micro-batch, two micro-batches per step: the same global batches, so the first step's mean loss
+    # and gradient norm (same weights) agree to float precision. Later steps only approximately: Adam turns summation-
+    # order noise in near-zero gradients into updates of up to lr.
+    accumulated = cfg.model_copy(update={"batch_size_per_worker": 2, "grad_accum_steps": 2})
+    first = run_local(loop, accumulated, WORLD, tmp_path / "accumulated", {"train": rows}).metrics
+    assert first[0]["loss"] == pytest.approx(straight.metrics[0]["loss"], rel=1e-5)
+    assert first[0]["grad_norm"] == pytest.approx(straight.metrics[0]["grad_norm"], rel=1e-4)
+    assert [m["loss"] for m in first] == pytest.approx([m["loss"] for m in straight.metrics], rel=2e-2)
+
+
+def test_a_sharded_checkpoint_exports_on_one_process_as_saved(recipes, tmp_path):
+    """DCP shards written by 2 ranks, resharded onto one process: the same weights as the run's own HF export."""
+    cfg, loop, rows = recipes["sft"]
+    run = run_local(loop, cfg.model_copy(update={"max_steps": 3}), WORLD, tmp_path / "run", {"train": rows})
+    exported = export_checkpoint(run.checkpoints[-1], tmp_path / "exported")
+    for name, tensor in _weights(run.checkpoints[-1]).items():
+        torch.testing.assert_close(load_file(exported / "model.safetensors")[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_a_diverging_run_stops_with_what_to_change(recipes, tmp_path):
+    cfg, loop, rows = recipes["sft"]
+    diverging = cfg.model_copy(update={"optim": OptimizerConfig(lr=1e30, warmup_steps=1), "max_bad_steps_in_row": 3, "max_steps": 10})
+    with pytest.raises(Exception, match=r"not finite for 3 steps in a row.*lower optim.lr"):
+        run_local(loop, diverging, 1, tmp_path / "run", {"train": rows})
+
+
+def test_resume_from_is_checked_before_anything_starts(tmp_path):
+    from mlplat.train.recipe import check_resume_from
+
+    with pytest.raises(CheckpointError, match="not a training checkpoint directory"):
+        check_resume_from(str(tmp_path), max_steps=10)
+    (tmp_path / "train_state.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="cannot read"):
+        check_resume_from(str(tmp_path), max_steps=10)
+
+
+def test_resume_from_a_finished_run_is_refused(recipes, tmp_path):
+    from mlplat.train.recipe import check_resume_from
+
+    cfg, loop, rows = recipes["reward_model"]
+    run = run_local(loop, cfg.model_copy(update={"max_steps": 1}), 1, tmp_path / "run", {"train": rows})
+    with pytest.raises(ConfigError, match="at step 1, not before max_steps=1"):
+        check_resume_from(str(run.checkpoints[-1]), max_steps=1)
+    assert json.loads((run.checkpoints[-1] / "checkpoint.json").read_text())["base_model"] == cfg.model
