@@ -29,7 +29,7 @@ quickstart: install
 	$(BIN)/mlplat quickstart
 
 test: install-dev prometheus
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=25
 
 # The unit tests alone: no Ray cluster, no end-to-end runs (under 2 minutes on 2 cores).
 test-fast: install-dev

@@ -97,7 +97,7 @@ def main() -> None:
     steps, log_every = (6, 3) if args.quick else (20, 5)
     cfg = GRPOConfig(
         model=str(model_dir), data=DataConfig(path=str(data.rl_prompts)), max_steps=steps, log_every=log_every, checkpoint_every=steps,
-        num_workers=2, batch_size_per_worker=prompts // 2, group_size=group_size, max_new_tokens=max_new_tokens,
+        num_workers=2, batch_size_per_worker=prompts // 2 * group_size, num_generations=group_size, max_completion_length=max_new_tokens,
         storage_path=str(work / "ray_train"), registered_model=None,
     )  # fmt: skip
     tracking_uri = f"sqlite:///{work / 'mlflow.db'}"
@@ -115,6 +115,7 @@ def main() -> None:
         "rollout_throughput_ratio": (engine_tokens / engine_s) / (hf_tokens / hf_s),
         "rollout_s": steady("time/rollout_s"),
         "reward_s": steady("time/reward_s"),
+        "score_s": steady("time/score_s"),
         "train_s": steady("time/train_s"),
         "sync_s": steady("time/sync_s"),
         "engine_tokens_per_s": engine_tokens / engine_s,
@@ -131,6 +132,7 @@ def main() -> None:
         ("rollout_throughput_ratio", f"{out['rollout_throughput_ratio']:.2f}"),
         ("GRPO step: rollout s", f"{out['rollout_s']:.3f}"),
         ("GRPO step: reward s", f"{out['reward_s']:.4f}"),
+        ("GRPO step: scoring (old/ref log-probs) s", f"{out['score_s']:.3f}"),
         ("GRPO step: train s", f"{out['train_s']:.3f}"),
         ("GRPO step: weight sync s", f"{out['sync_s']:.3f}"),
     ]

@@ -126,14 +126,15 @@ def test_grpo_raises_the_verifiable_reward_with_synced_rollouts(ray_cluster, tra
     from mlplat.data.ingest import DataConfig
     from train_apps.grpo import GRPOConfig, run_grpo
 
-    # 16 prompts: each step's 2 x 8 is all of them, so before/after compare on the same prompts.
+    # 16 prompts: each rollout's 2 workers x 8 is all of them (2 optimizer steps of 32 completions per worker),
+    # so before/after compare on the same prompts.
     with open(one_digit.rl_prompts) as f:
         rows = [json.loads(line) for line in f][:16]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = GRPOConfig(
         model=str(sft_model), data=DataConfig(path=str(prompts)), eval_data=str(one_digit.eval),
-        max_steps=30, num_workers=2, batch_size_per_worker=8, group_size=8, num_mini_batches=2, log_every=10,
+        max_steps=60, num_workers=2, batch_size_per_worker=32, num_generations=8, steps_per_generation=2, max_completion_length=8, log_every=20,
         optim={"lr": 1e-4, "warmup_steps": 0, "min_lr_ratio": 1.0}, storage_path=str(tmp_path / "ray_train"), registered_model="grpo-test",
     )  # fmt: skip
     result = run_grpo(cfg, tracking_uri=tracking_uri, work_dir=tmp_path)

@@ -8,8 +8,10 @@
              (chosen, rejected) <- next grad_accum_steps micro-batches of pairs; one forward per model scores both sides
              log pi_ref(y|x) under no_grad, on the worker, once per micro-batch  (*)
              r(y) = beta * (log pi_theta(y|x) - log pi_ref(y|x))             implicit rewards
-             loss <- mean over the global batch's pairs of
-                     -(1-eps) log sigmoid(r_c - r_r) - eps log sigmoid(r_r - r_c)    (cDPO, eps = label_smoothing)
+             loss <- mean over the global batch's pairs of, by loss_type (h = (r_c - r_r) / beta):
+                     sigmoid: -(1-eps) log sigmoid(beta h) - eps log sigmoid(-beta h)  (cDPO, eps = label_smoothing)
+                     | robust | hinge: max(0, 1 - beta h) | ipo: (h - 1/(2 beta))^2 on per-token mean log-probs
+                     (pairs whose response max_seq_len cut to nothing: left out, counted)
              AdamW step (skipped if not finite); log loss, rewards/{chosen,rejected,margins,accuracies} -> MLflow
     3. held-out pairs, before and after (scored on every rank): implicit reward margin and accuracy,
        and the log-prob margin log pi(chosen) - log pi(rejected); register the model
@@ -35,10 +37,10 @@ from pydantic import BaseModel, Field
 from mlplat.data.preference import PreferenceDataConfig, prepare_preference_dataset, read_preference_pairs
 from mlplat.models import load_model, load_tokenizer
 from mlplat.tracking import ModelRef
-from mlplat.train.batch import PairCollate, model_inputs
+from mlplat.train.batch import IGNORE_INDEX, PairCollate, PairCounter, answered_pairs, model_inputs
 from mlplat.train.checkpoint import CheckpointMeta
 from mlplat.train.loop import RecipeConfig, run_steps, train_shard, trainable, worker_setup
-from mlplat.train.losses import dpo_loss, sequence_logprobs
+from mlplat.train.losses import DPOLossType, dpo_loss, sequence_logprobs
 from mlplat.train.optim import OptimizerConfig
 from mlplat.train.parallel import unwrap
 from mlplat.train.recipe import RecipeRun
@@ -49,7 +51,8 @@ class DPOConfig(RecipeConfig):
     data: PreferenceDataConfig
     eval_data: str | None = None  # held-out preference JSONL: margins before and after
     beta: float = Field(default=0.1, gt=0)  # strength of the KL constraint to the reference
-    label_smoothing: float = Field(default=0.0, ge=0, lt=0.5)  # assumed label-flip probability (cDPO)
+    label_smoothing: float = Field(default=0.0, ge=0, lt=0.5)  # assumed label-flip probability (cDPO, robust)
+    loss_type: DPOLossType = "sigmoid"  # sigmoid | ipo | hinge | robust (TRL's)
     optim: OptimizerConfig = OptimizerConfig(lr=1e-5, warmup_steps=10)
     experiment: str = "mlplat-dpo"
     registered_model: str | None = "dpo-model"
@@ -72,23 +75,36 @@ class DPOResult(BaseModel):
 
 
 class DPOObjective:
-    """DPO per pair against a frozen reference: chosen rows first, then rejected (PairCollate)."""
+    """DPO per pair against a frozen reference: chosen rows first, then rejected (PairCollate). Pairs whose
+    response was truncated to nothing are left out of the loss and counted (``truncated``)."""
 
-    def __init__(self, reference: torch.nn.Module, beta: float, label_smoothing: float):
-        self.reference, self.beta, self.label_smoothing = reference, beta, label_smoothing
+    def __init__(self, reference: torch.nn.Module, beta: float, label_smoothing: float = 0.0, loss_type: DPOLossType = "sigmoid"):
+        self.reference, self.beta, self.label_smoothing, self.loss_type = reference, beta, label_smoothing, loss_type
+        self.truncated = PairCounter()
 
     def units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return torch.tensor(batch["input_ids"].shape[0] // 2, device=batch["input_ids"].device)
+        return answered_pairs(batch["labels"]).sum()
+
+    def logprobs(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen, rejected) sequence log-probs [B]; IPO's are per-token means (TRL's length normalisation)."""
+        logps = sequence_logprobs(model(**model_inputs(batch), use_cache=False).logits, batch["labels"])
+        if self.loss_type == "ipo":
+            logps = logps / (batch["labels"][:, 1:] != IGNORE_INDEX).sum(-1).clamp(min=1)
+        return logps.chunk(2)
 
     def __call__(self, policy, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        answered = answered_pairs(batch["labels"])
+        self.truncated.add(answered)
         with torch.no_grad():
-            ref_chosen, ref_rejected = sequence_logprobs(self.reference(**model_inputs(batch)).logits, batch["labels"]).chunk(2)
-        chosen, rejected = sequence_logprobs(policy(**model_inputs(batch), use_cache=False).logits, batch["labels"]).chunk(2)
-        losses, chosen_rewards, rejected_rewards = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, self.beta, self.label_smoothing)
+            ref_chosen, ref_rejected = self.logprobs(self.reference, batch)
+        chosen, rejected = self.logprobs(policy, batch)
+        losses, chosen_rewards, rejected_rewards = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, self.beta, self.label_smoothing, self.loss_type)
+        keep = answered.to(losses.dtype)
         margins = chosen_rewards - rejected_rewards
-        return losses.sum(), {
-            "rewards/chosen": chosen_rewards.sum(), "rewards/rejected": rejected_rewards.sum(), "rewards/margins": margins.sum(),
-            "rewards/accuracies": (margins > 0).sum(), "logps/chosen": chosen.detach().sum(), "logps/rejected": rejected.detach().sum(),
+        return (losses * keep).sum(), {
+            "rewards/chosen": (chosen_rewards * keep).sum(), "rewards/rejected": (rejected_rewards * keep).sum(),
+            "rewards/margins": (margins * keep).sum(), "rewards/accuracies": ((margins > 0) & answered).sum(),
+            "logps/chosen": (chosen.detach() * keep).sum(), "logps/rejected": (rejected.detach() * keep).sum(),
         }  # fmt: skip
 
 
@@ -108,8 +124,12 @@ def dpo_loop(cfg: DPOConfig, env: WorkerEnv) -> None:
 
     if state.step == 0 and (before := margins("eval_before")) and env.logger:
         env.logger.log_metrics(before)
-    objective = DPOObjective(reference, cfg.beta, cfg.label_smoothing)
-    run_steps(cfg, env, loader, policy, optimizer, scheduler, state, objective, meta, tokenizer, lambda: margins("eval"))
+    objective = DPOObjective(reference, cfg.beta, cfg.label_smoothing, cfg.loss_type)
+
+    def final_metrics() -> dict[str, float]:
+        return {**margins("eval"), "data/truncated_pairs": objective.truncated.total(env.device)}
+
+    run_steps(cfg, env, loader, policy, optimizer, scheduler, state, objective, meta, tokenizer, final_metrics)
 
 
 def _prefixed(margins: HeldOutMargins, prefix: str) -> dict[str, float]:

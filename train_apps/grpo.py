@@ -1,27 +1,35 @@
-"""GRPO (group relative policy optimisation) with rollout actors, on Ray Train.
+"""GRPO (group relative policy optimisation) with rollout actors, on the shared recipe skeleton.
 
     input: an HF checkpoint (usually the SFT model), RL prompts with task fields (e.g. ``answer``)
     0. start rollout actors (the native engine) on the same weights                  [Ray actors]
     1. validate the prompt rows                                                         [Ray Data]
     2. on each of N training workers:                                                   [Ray Train]
-         pi_theta <- the checkpoint (DDP/FSDP2); pi_ref <- the same, frozen (if kl_coef > 0)
-         for step in 1..max_steps:
-             prompts <- next batch of this worker's prompts
-             G samples per prompt with their log-probs <- its rollout actor            (rollout)
-             r <- reward(sample, row): exact match | function | reward model | LLM judge (reward)
-             A <- (r - mean_group(r)) / (std_group(r) + eps)                  group-normalised advantages
-             log pi_old <- pi_theta(samples), no grad (checked against the engine's log-probs)
-             for epoch in 1..ppo_epochs, for each of num_mini_batches:                  (train)
+         pi_theta <- the checkpoint (DDP/FSDP2); pi_ref <- the same, frozen (only if beta > 0)
+         until max_steps optimizer steps:
+             prompts <- the next batch_size_per_worker x steps_per_generation / G of this worker's shard
+             G completions per prompt, with the engine's log-probs <- its rollout actor   (rollout)
+             r <- sum_k reward_weights[k] reward_k(completion, row), each source exact match | function
+                  | reward model | LLM judge                                                 (reward)
+             A <- advantage_estimator(r): group_norm (r - group mean, / std by scale_rewards) | rloo
+                  | reinforce (REINFORCE++) | reinforce_baseline                      (advantages)
+             log pi_old, log pi_ref <- no-grad forwards, one micro-batch at a time, log-probs at the
+                  sampling temperature (pi_old checked against the engine's log-probs)  (score)
+             for iteration in 1..num_iterations, for each optimizer step's grad_accum_steps micro-batches
+                  of batch_size_per_worker completions (steps_per_generation micro-batches per rollout):
                  ratio = pi_theta / pi_old per token
-                 loss <- sum over tokens of -min(ratio A, clip(ratio, 1-eps, 1+eps) A)
-                         + kl_coef * KL_k3(pi_theta || pi_ref),  / tokens in the global batch
-                 AdamW step
+                 per token: -min(ratio A, clip(ratio, 1 - epsilon, 1 + epsilon_high) A) + beta KL_k3(pi_theta || pi_ref)
+                 loss <- its mean by loss_type (dapo: over every completion token of the step, all ranks;
+                         grpo: per completion, then over completions; dr_grpo: / (completions x max length); bnpo)
+                 AdamW step through the shared train_step (skipped if not finite, bf16 on GPU)   (train)
              rank 0 pushes pi_theta's weights to every rollout actor in place         (sync)
-             every log_every: reward mean/std, KL, entropy, response length, clip fraction,
+             every log_every steps: reward mean/std, KL, entropy, completion length, clip fraction,
                               rollout tokens/s, time per phase -> MLflow
     3. exact match on held-out prompts (greedy, via a rollout actor) before and after;
        the final model registered in MLflow like SFT's
     output: run id, model version, rewards and held-out accuracy
+
+Names, meanings and defaults are TRL's GRPOConfig's (``num_generations``, ``beta``, ``epsilon``,
+``loss_type``, ``scale_rewards``, ...); ``advantage_estimator`` is OpenRLHF's.
 
 Run: ``mlplat train grpo --config grpo.yaml``.
 """
@@ -33,27 +41,36 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import ray
 import torch
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from mlplat.data.ingest import DataConfig
 from mlplat.data.rl_prompts import prepare_rl_prompt_dataset, prompt_messages
 from mlplat.evaluation import extract_answer, read_eval_rows
 from mlplat.models import load_model, load_tokenizer
 from mlplat.observability import catalogue as oc
-from mlplat.rl.rewards import RewardConfig, build_reward_fn, start_reward_model
+from mlplat.rl.rewards import RewardConfig, build_reward_fn, start_reward_model, weighted_rewards
 from mlplat.rl.rollout import RolloutConfig, Sample, start_rollout_workers
 from mlplat.tracking import ModelRef, resolve_model
 from mlplat.train import collectives
 from mlplat.train.batch import IGNORE_INDEX, pad_collate
 from mlplat.train.checkpoint import CheckpointMeta
-from mlplat.train.loop import MetricWindow, RecipeConfig, save, train_shard, trainable, worker_setup
-from mlplat.train.losses import group_advantages, grpo_loss, token_logprobs
+from mlplat.train.loop import MetricWindow, RecipeConfig, record_step, save, train_shard, trainable, worker_setup
+from mlplat.train.losses import (
+    AdvantageEstimator,
+    LossType,
+    ScaleRewards,
+    advantages,
+    clipped_surrogate,
+    k3_kl,
+    summed_token_loss,
+    token_loss_units,
+)
 from mlplat.train.optim import OptimizerConfig
 from mlplat.train.parallel import full_state_dict
 from mlplat.train.recipe import RecipeRun
+from mlplat.train.step import train_step
 from mlplat.train.worker import WorkerEnv
 
 
@@ -61,31 +78,58 @@ class GRPOConfig(RecipeConfig):
     data: DataConfig  # RL prompt rows: {"prompt" | "messages", ...task fields}
     eval_data: str | None = None  # held-out {"messages", "answer"} JSONL: greedy exact match before and after
     eval_limit: int | None = None
-    batch_size_per_worker: int = Field(default=8, gt=0)  # prompts per worker per step
-    group_size: int = Field(default=8, ge=2)  # samples per prompt (G)
-    max_new_tokens: int = Field(default=8, gt=0)
-    temperature: float = Field(default=1.0, gt=0)
+    batch_size_per_worker: int = Field(default=8, gt=0)  # completions per micro-batch per worker (TRL's per_device_train_batch_size)
+    num_generations: int = Field(default=8, ge=2)  # completions per prompt (G)
+    steps_per_generation: int | None = Field(default=None, gt=0)  # micro-batches each rollout feeds; None: grad_accum_steps (one optimizer step)
+    num_iterations: int = Field(default=1, ge=1)  # passes over each rollout (PPO epochs, TRL's mu)
+    max_completion_length: int = Field(default=256, gt=0)
+    temperature: float = Field(default=1.0, gt=0)  # sampling; the trainer's log-probs are taken at it too
     top_p: float = Field(default=1.0, gt=0, le=1)
-    clip_ratio: float = Field(default=0.2, gt=0)  # PPO's epsilon
-    kl_coef: float = Field(default=0.0, ge=0)  # KL penalty to the reference model (TRL's beta); 0 skips the reference
-    scale_rewards: bool = True  # divide advantages by the group's std (False: Dr. GRPO)
-    ppo_epochs: int = Field(default=1, ge=1)  # passes over each rollout batch
-    num_mini_batches: int = Field(default=1, ge=1)  # optimizer steps per pass
-    reward: RewardConfig = RewardConfig()
+    beta: float = Field(default=0.0, ge=0)  # k3 KL penalty to the reference model; 0 loads no reference
+    epsilon: float = Field(default=0.2, gt=0)  # clip range of the ratio, lower side
+    epsilon_high: float | None = Field(default=None, gt=0)  # upper side (DAPO's clip-higher); None: epsilon
+    loss_type: LossType = "dapo"
+    scale_rewards: ScaleRewards = "group"  # group_norm's divisor: the group's std, the batch's, or none (Dr. GRPO)
+    advantage_estimator: AdvantageEstimator = "group_norm"
+    mask_truncated_completions: bool = False  # completions cut at max_completion_length add nothing to the loss
+    reward: list[RewardConfig] = Field(default_factory=lambda: [RewardConfig()])  # one source (a mapping) or several, summed (TRL's reward_funcs)
+    reward_weights: list[float] | None = None  # one per reward source; None: all 1
     rollout: RolloutConfig = RolloutConfig()
-    optim: OptimizerConfig = OptimizerConfig(lr=1e-5, warmup_steps=0, min_lr_ratio=1.0)
+    optim: OptimizerConfig = OptimizerConfig(lr=1e-6, warmup_steps=0, min_lr_ratio=1.0)
     experiment: str = "mlplat-grpo"
     registered_model: str | None = "grpo-model"
 
+    @field_validator("reward", mode="before")
+    @classmethod
+    def _one_or_several(cls, value):
+        return [value] if isinstance(value, dict | RewardConfig) else value
+
+    @property
+    def micro_batches_per_generation(self) -> int:
+        return self.steps_per_generation or self.grad_accum_steps
+
+    @property
+    def prompts_per_generation(self) -> int:
+        """Prompts each worker samples per rollout."""
+        return self.batch_size_per_worker * self.micro_batches_per_generation // self.num_generations
 
     @model_validator(mode="after")
-    def _whole_mini_batches(self):
-        samples = self.batch_size_per_worker * self.group_size
-        if samples % self.num_mini_batches:
+    def _whole_groups_and_steps(self):
+        completions = self.batch_size_per_worker * self.micro_batches_per_generation
+        if completions % self.num_generations:
             raise ValueError(
-                f"num_mini_batches={self.num_mini_batches} must divide the samples per worker per step "
-                f"(batch_size_per_worker x group_size = {samples})"
+                f"num_generations={self.num_generations} must divide the completions each worker trains on per rollout "
+                f"(batch_size_per_worker x steps_per_generation = {completions}): every prompt's group whole"
             )
+        if self.micro_batches_per_generation % self.grad_accum_steps:
+            raise ValueError(f"grad_accum_steps={self.grad_accum_steps} must divide steps_per_generation={self.micro_batches_per_generation}")
+        labels = [r.label for r in self.reward]
+        if not labels:
+            raise ValueError("reward: give at least one reward source")
+        if len(set(labels)) < len(labels):
+            raise ValueError(f"reward: sources need distinct names (got {labels}); set reward[i].name")
+        if self.reward_weights is not None and len(self.reward_weights) != len(labels):
+            raise ValueError(f"reward_weights has {len(self.reward_weights)} weights for {len(labels)} reward sources {labels}")
         return self
 
 
@@ -102,14 +146,16 @@ class GRPOResult(BaseModel):
 class RowsCollate:
     """Prompt rows stay JSON text in Ray Data (task fields vary); the trainer gets dicts."""
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> list[dict]:
+    def __call__(self, batch: dict) -> list[dict]:
         return [json.loads(text) for text in batch["text"]]
 
 
-def rollout_batch(samples: list[Sample], advantages: torch.Tensor, pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Prompt + completion rows, labels on completion tokens only, and the engine's log-probs per target position."""
+def rollout_batch(samples: list[Sample], advantages: torch.Tensor, pad_token_id: int, mask_truncated: bool = False) -> dict[str, torch.Tensor]:
+    """Prompt + completion rows, labels on completion tokens only (none for a truncated completion with
+    ``mask_truncated``), and the engine's log-probs per target position."""
     ids = [s.prompt_ids + s.completion_ids for s in samples]
-    labels = [[IGNORE_INDEX] * len(s.prompt_ids) + s.completion_ids for s in samples]
+    labels = [[IGNORE_INDEX] * len(s.prompt_ids) + ([IGNORE_INDEX] * len(s.completion_ids) if mask_truncated and s.finish_reason == "length" else s.completion_ids)
+              for s in samples]  # fmt: skip
     batch = pad_collate({"input_ids": ids, "labels": labels}, pad_token_id)
     engine_logprobs = torch.zeros(batch["labels"][:, 1:].shape)
     for i, s in enumerate(samples):  # target position t predicts token t+1
@@ -118,115 +164,171 @@ def rollout_batch(samples: list[Sample], advantages: torch.Tensor, pad_token_id:
     return {**batch, "advantages": advantages, "engine_logprobs": engine_logprobs}
 
 
-def policy_logprobs(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs of the completion tokens [B, L-1] (0 elsewhere), and the logits."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-    return token_logprobs(logits, batch["labels"])[0], logits
+def completion_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probs [B, L-1] of the labelled (completion) tokens under ``logits / temperature``; 0 elsewhere."""
+    targets = labels[:, 1:]
+    logprobs = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    return logprobs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (targets != IGNORE_INDEX)
 
 
-def entropy(logits: torch.Tensor, mask: torch.Tensor) -> float:
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    per_token = -(logp.exp() * logp).sum(-1)
-    return ((per_token * mask).sum() / mask.sum().clamp(min=1)).item()
+def _forward(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
 
 
-def grpo_loop(cfg: GRPOConfig, env: WorkerEnv, rollout_workers: list, reward_scorer=None) -> None:
+@torch.no_grad()
+def score(model, batch: dict[str, torch.Tensor], micro_batch_size: int, temperature: float) -> dict[str, torch.Tensor]:
+    """No-grad log-probs of the completion tokens at ``temperature`` and raw (the engine's), and the per-token
+    entropy at ``temperature``, one micro-batch of rows at a time."""
+    parts: dict[str, list[torch.Tensor]] = {"logprobs": [], "raw_logprobs": [], "entropy": []}
+    for rows in torch.arange(batch["input_ids"].shape[0]).split(micro_batch_size):
+        micro = {k: v[rows] for k, v in batch.items()}
+        logits = _forward(model, micro)
+        parts["logprobs"].append(completion_logprobs(logits, micro["labels"], temperature))
+        parts["raw_logprobs"].append(parts["logprobs"][-1] if temperature == 1.0 else completion_logprobs(logits, micro["labels"]))
+        logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+        parts["entropy"].append(-(logp.exp() * logp).sum(-1))
+    return {k: torch.cat(v) for k, v in parts.items()}
+
+
+class GRPOObjective:
+    """The clipped policy gradient (+ beta k3 KL) on a micro-batch of completions, averaged by ``loss_type``.
+
+    The batch carries each row's ``advantages``, ``old_logprobs`` and, with beta > 0, ``ref_logprobs``."""
+
+    def __init__(self, cfg: GRPOConfig):
+        self.cfg = cfg
+
+    def units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return token_loss_units(batch["labels"][:, 1:] != IGNORE_INDEX, self.cfg.loss_type, self.cfg.max_completion_length)
+
+    def __call__(self, policy, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        cfg, mask = self.cfg, batch["labels"][:, 1:] != IGNORE_INDEX
+        logprobs = completion_logprobs(_forward(policy, batch), batch["labels"], cfg.temperature)
+        per_token, clipped = clipped_surrogate(logprobs, batch["old_logprobs"], batch["advantages"], cfg.epsilon, cfg.epsilon_high)
+        stats = {"clip_fraction": summed_token_loss(clipped.float(), mask, cfg.loss_type)}
+        if cfg.beta > 0:
+            kl = k3_kl(logprobs, batch["ref_logprobs"])
+            per_token = per_token + cfg.beta * kl
+            stats["kl"] = summed_token_loss(kl.detach(), mask, cfg.loss_type)
+        return summed_token_loss(per_token, mask, cfg.loss_type), stats
+
+
+def batch_moments(device: torch.device):
+    """(mean, std) of a per-rank tensor over every rank's values: one all-reduce of count, sum, sum of squares."""
+
+    def moments(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        v = values.double()
+        n, total, squares = collectives.all_reduce(torch.stack([torch.tensor(float(v.numel()), dtype=torch.float64), v.sum(), (v * v).sum()]), device).cpu()
+        mean = total / n
+        return mean.float(), ((squares - n * mean * mean) / (n - 1).clamp(min=1)).clamp(min=0).sqrt().float()
+
+    return moments
+
+
+def grpo_loop(cfg: GRPOConfig, env: WorkerEnv, rollout_workers: list, reward_scorers: dict | None = None) -> None:
     """Every rank's loop (mlplat.train.worker), sampling from its rollout actor."""
     worker_setup(cfg)
     rank, world_size, device, logger = collectives.rank(), collectives.world_size(), env.device, env.logger
     tokenizer = load_tokenizer(cfg.model)
-    reward_fn = build_reward_fn(cfg.reward, reward_scorer)
+    reward_fns = {r.label: build_reward_fn(r, (reward_scorers or {}).get(r.label)) for r in cfg.reward}
+    reward_weights = cfg.reward_weights or [1.0] * len(reward_fns)
     my_rollout = rollout_workers[rank % len(rollout_workers)]
 
-    loader = train_shard(env, cfg.batch_size_per_worker, cfg.seed, RowsCollate())
+    loader = train_shard(env, cfg.prompts_per_generation, cfg.seed, RowsCollate())
     policy, optimizer, scheduler, state = trainable(load_model(cfg.model), cfg, env)
-    reference = load_model(cfg.model, device=device).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+    reference = load_model(cfg.model, device=device).eval().requires_grad_(False) if cfg.beta > 0 else None
     if state.step > 0:  # restarted from a checkpoint: the actors may hold other weights
         sync_weights(policy, rollout_workers, rank, device)
     meta = CheckpointMeta(base_model=cfg.model, format="consolidated")
-    sampling = {"n": cfg.group_size, "max_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p}
+    sampling = {"n": cfg.num_generations, "max_tokens": cfg.max_completion_length, "temperature": cfg.temperature, "top_p": cfg.top_p}
     eval_rows = read_eval_rows(cfg.eval_data, cfg.eval_limit) if cfg.eval_data and logger else None
     if eval_rows and state.step == 0:
-        logger.log_metrics({"eval/exact_match_before": held_out_exact_match(my_rollout, eval_rows, cfg.max_new_tokens)}, step=0)
+        logger.log_metrics({"eval/exact_match_before": held_out_exact_match(my_rollout, eval_rows, cfg.max_completion_length)}, step=0)
+    objective, moments = GRPOObjective(cfg), batch_moments(device)
     window, max_logprob_diff = MetricWindow(device, maxima=("rollout/logprob_diff_max", "run/logprob_diff_max")), 0.0
 
     while state.step < cfg.max_steps:
-        rows = loader.next()
+        step_before, rows = state.step, loader.next()
         start = time.perf_counter()
         samples = ray.get(my_rollout.generate.remote([prompt_messages(r) for r in rows], {**sampling, "seed": cfg.seed + 1000 * state.step + rank}))
         rollout_s = time.perf_counter() - start
 
         start = time.perf_counter()
-        group_rows = [row for row in rows for _ in range(cfg.group_size)]
-        rewards = torch.tensor(reward_fn(samples, group_rows), dtype=torch.float32)
-        advantages = group_advantages(rewards, cfg.group_size, scale=cfg.scale_rewards)
+        rewards, per_source = weighted_rewards(reward_fns, reward_weights, samples, [row for row in rows for _ in range(cfg.num_generations)])
+        adv = advantages(rewards, cfg.num_generations, cfg.advantage_estimator, cfg.scale_rewards, moments)
         reward_s = time.perf_counter() - start
 
         start = time.perf_counter()
-        batch = {k: v.to(device) for k, v in rollout_batch(samples, advantages, tokenizer.pad_token_id).items()}
+        batch = {k: v.to(device) for k, v in rollout_batch(samples, adv, tokenizer.pad_token_id, cfg.mask_truncated_completions).items()}
         mask = batch["labels"][:, 1:] != IGNORE_INDEX
-        with torch.no_grad():
-            old_logprobs, logits = policy_logprobs(policy, batch)
-            ref_logprobs = token_logprobs(reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits, batch["labels"])[0] if reference else None
-            step_entropy = entropy(logits, mask)
+        scored = score(policy, batch, cfg.batch_size_per_worker, cfg.temperature)
+        batch["old_logprobs"] = scored["logprobs"]
+        if reference is not None:
+            batch["ref_logprobs"] = score(reference, batch, cfg.batch_size_per_worker, cfg.temperature)["logprobs"]
         # The trainer and the rollout engine must agree on the sampled tokens' log-probs: stale weights would not.
-        logprob_diff = ((old_logprobs - batch["engine_logprobs"]).abs() * mask).max().item()
+        logprob_diff = ((scored["raw_logprobs"] - batch["engine_logprobs"]).abs() * mask).max().item()
         max_logprob_diff = max(max_logprob_diff, logprob_diff)
-        stats = {"clip_fraction": 0.0, "kl": 0.0}
-        rows_per_mini_batch = len(samples) // cfg.num_mini_batches
-        for _ in range(cfg.ppo_epochs):
-            for mb in torch.arange(len(samples)).split(rows_per_mini_batch):
-                # Token-level mean over every rank's mini-batch: DDP averages gradients over ranks.
-                global_tokens = collectives.reduce_value(mask[mb].sum().item(), device)
-                logprobs, _ = policy_logprobs(policy, {k: v[mb] for k, v in batch.items()})
-                loss, mb_stats = grpo_loss(
-                    logprobs, old_logprobs[mb], batch["advantages"][mb], mask[mb], cfg.clip_ratio,
-                    ref_logprobs[mb] if reference is not None else None, cfg.kl_coef, num_tokens=max(1.0, global_tokens) / world_size,
-                )  # fmt: skip
-                loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.optim.grad_clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                stats = {k: stats.get(k, 0.0) + v / (cfg.ppo_epochs * cfg.num_mini_batches) for k, v in mb_stats.items()}
-        scheduler.step()
+        score_s = time.perf_counter() - start
+
+        start, step_stats = time.perf_counter(), []
+        rows_per_micro = cfg.batch_size_per_worker
+        micro = [{k: v[i : i + rows_per_micro] for k, v in batch.items()} for i in range(0, len(samples), rows_per_micro)]
+        for _ in range(cfg.num_iterations):
+            for first in range(0, len(micro), cfg.grad_accum_steps):
+                if state.step == cfg.max_steps:
+                    break
+                stats = train_step(policy, micro[first : first + cfg.grad_accum_steps], optimizer, scheduler, cfg.optim.grad_clip,
+                                   cfg.use_gpu and cfg.bf16, objective=objective)  # fmt: skip
+                record_step(state, stats, cfg.max_bad_steps_in_row)
+                if not stats.skipped:
+                    step_stats.append({"loss": stats.loss, "grad_norm": stats.grad_norm, **stats.metrics})
         train_s = time.perf_counter() - start
 
         start = time.perf_counter()
         sync_weights(policy, rollout_workers, rank, device)
         sync_s = time.perf_counter() - start
-
-        state.step += 1
         state.data = loader.position.model_copy()
+
         completion_tokens = sum(len(s.completion_ids) for s in samples)
         window.add({
-            "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item(), "entropy": step_entropy,
-            "response_length": completion_tokens / len(samples), "grad_norm": float(grad_norm), "loss": loss.item(),
+            **{k: sum(s[k] for s in step_stats) / len(step_stats) for k in (step_stats[0] if step_stats else {})},
+            "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item(),
+            **({f"rewards/{name}/{stat}": getattr(values, stat)().item() for name, values in per_source.items() for stat in ("mean", "std")}
+               if len(per_source) > 1 else {}),
+            "entropy": ((scored["entropy"] * mask).sum() / mask.sum().clamp(min=1)).item(),
+            "completions/mean_length": completion_tokens / len(samples),
+            "completions/clipped_ratio": sum(s.finish_reason == "length" for s in samples) / len(samples),
             "rollout/tokens_per_s": completion_tokens / rollout_s, "rollout/logprob_diff_max": logprob_diff, "run/logprob_diff_max": max_logprob_diff,
-            "time/rollout_s": rollout_s, "time/reward_s": reward_s, "time/train_s": train_s, "time/sync_s": sync_s, **stats,
+            "time/rollout_s": rollout_s, "time/reward_s": reward_s, "time/score_s": score_s, "time/train_s": train_s, "time/sync_s": sync_s,
         })  # fmt: skip
 
         last = state.step == cfg.max_steps
-        if state.step % cfg.log_every == 0 or last:
-            metrics = {**window.pop(), "lr": scheduler.get_last_lr()[0]}
+        if last or crossed(step_before, state.step, cfg.log_every):
+            metrics = {**window.pop(), "lr": scheduler.get_last_lr()[0], "skipped_steps": state.skipped_steps}
             metrics["rollout/tokens_per_s"] *= world_size  # every rank's rollouts together
             if last and eval_rows:
-                metrics["eval/exact_match"] = held_out_exact_match(my_rollout, eval_rows, cfg.max_new_tokens)
+                metrics["eval/exact_match"] = held_out_exact_match(my_rollout, eval_rows, cfg.max_completion_length)
             if logger:
                 logger.log_metrics(metrics, step=state.step)
                 export_metrics(metrics, env.run_id)
-            if state.step % cfg.checkpoint_every == 0 or last:
-                save(env, metrics, policy, optimizer, scheduler, state, meta, tokenizer)
+        if last or crossed(step_before, state.step, cfg.checkpoint_every):
+            save(env, {"step": state.step}, policy, optimizer, scheduler, state, meta, tokenizer)
+
+
+def crossed(before: int, after: int, every: int) -> bool:
+    """The optimizer steps of one rollout, ``before`` -> ``after``, reached a multiple of ``every``."""
+    return after // every > before // every
 
 
 def export_metrics(metrics: dict[str, float], run_id: str) -> None:
     """Rank 0's log window as Prometheus metrics (mlplat.observability.catalogue)."""
     job = {"recipe": "grpo", "run_id": run_id}
     for metric, key in ((oc.RL_REWARD_MEAN, "reward/mean"), (oc.RL_REWARD_STD, "reward/std"), (oc.RL_KL, "kl"),
-                        (oc.RL_ROLLOUT_TOKENS_PER_S, "rollout/tokens_per_s"), (oc.RL_RESPONSE_LENGTH, "response_length"),
+                        (oc.RL_ROLLOUT_TOKENS_PER_S, "rollout/tokens_per_s"), (oc.RL_RESPONSE_LENGTH, "completions/mean_length"),
                         (oc.TRAIN_LOSS, "loss"), (oc.TRAIN_LR, "lr"), (oc.TRAIN_GRAD_NORM, "grad_norm")):  # fmt: skip
         if key in metrics:
             metric.set(metrics[key], **job)
-    for phase in ("rollout", "reward", "train", "sync"):
+    for phase in ("rollout", "reward", "score", "train", "sync"):
         oc.TRAIN_STEP_PHASE_SECONDS.set(metrics[f"time/{phase}_s"], phase=phase, rank="0", **job)
 
 
@@ -242,28 +344,29 @@ def sync_weights(policy, rollout_workers: list, rank: int, device: torch.device)
     collectives.barrier(device)  # no rank samples from the old weights
 
 
-def held_out_exact_match(rollout_worker, rows: list[dict], max_new_tokens: int) -> float:
+def held_out_exact_match(rollout_worker, rows: list[dict], max_tokens: int) -> float:
     """Greedy exact match through a rollout actor (its weights are the policy's after each sync)."""
-    samples = ray.get(rollout_worker.generate.remote([r["messages"] for r in rows], {"n": 1, "max_tokens": max_new_tokens, "temperature": 0}))
+    samples = ray.get(rollout_worker.generate.remote([r["messages"] for r in rows], {"n": 1, "max_tokens": max_tokens, "temperature": 0}))
     return sum(extract_answer(s.text) == str(r["answer"]) for s, r in zip(samples, rows)) / len(rows)
 
 
 def run_grpo(cfg: GRPOConfig, tracking_uri: str | None = None, work_dir: str | Path = "outputs") -> GRPOResult:
     """Run the recipe on the connected Ray cluster (a local one is started if needed)."""
     run = RecipeRun("grpo", cfg, tracking_uri, work_dir)
-    rollout_workers, scorer = [], None
+    rollout_workers, scorers = [], {}
     try:
         with run.tracked():
             dataset, data_report = prepare_rl_prompt_dataset(cfg.data, rejects_dir=run.work_dir / run.run_id)
             run.log_data_report(data_report)
             rollout_workers = start_rollout_workers(str(run.model_dir), cfg.rollout)
-            if cfg.reward.kind == "reward_model":
-                rm_dir = resolve_model(cfg.reward.reward_model, download_dir=run.work_dir / "downloads", tracking_uri=run.tracking_uri)
-                scorer = start_reward_model(cfg.reward, str(rm_dir))
-            result = run.fit(grpo_loop, {"train": dataset}, extra={"rollout_workers": rollout_workers, "reward_scorer": scorer})
+            for source in cfg.reward:
+                if source.kind == "reward_model":
+                    rm_dir = resolve_model(source.reward_model, download_dir=run.work_dir / "downloads", tracking_uri=run.tracking_uri)
+                    scorers[source.label] = start_reward_model(source, str(rm_dir))
+            result = run.fit(grpo_loop, {"train": dataset}, extra={"rollout_workers": rollout_workers, "reward_scorers": scorers})
             final_dir, version = run.finish(result)
     finally:
-        for actor in [*rollout_workers, *([scorer] if scorer else [])]:
+        for actor in [*rollout_workers, *scorers.values()]:
             ray.kill(actor)
     client = run.logger.client
     rewards = sorted(client.get_metric_history(run.run_id, "reward/mean"), key=lambda m: m.step)

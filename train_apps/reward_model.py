@@ -28,7 +28,7 @@ from pydantic import BaseModel
 from mlplat.data.preference import PreferenceDataConfig, prepare_preference_dataset, read_preference_pairs
 from mlplat.models import load_reward_model, load_tokenizer
 from mlplat.tracking import ModelRef
-from mlplat.train.batch import PairCollate
+from mlplat.train.batch import PairCollate, PairCounter, answered_pairs
 from mlplat.train.checkpoint import CheckpointMeta
 from mlplat.train.loop import RecipeConfig, run_steps, train_shard, trainable, worker_setup
 from mlplat.train.losses import bradley_terry_loss
@@ -54,15 +54,21 @@ class RewardModelResult(BaseModel):
 
 
 class PairwiseObjective:
-    """Bradley-Terry on the scalar head's scores, per pair: chosen rows first, then rejected (PairCollate)."""
+    """Bradley-Terry on the scalar head's scores, per pair: chosen rows first, then rejected (PairCollate).
+    Pairs whose response was truncated to nothing are left out of the loss and counted (``truncated``)."""
+
+    def __init__(self):
+        self.truncated = PairCounter()
 
     def units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return torch.tensor(batch["input_ids"].shape[0] // 2, device=batch["input_ids"].device)
+        return answered_pairs(batch["labels"]).sum()
 
     def __call__(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        answered = answered_pairs(batch["labels"])
+        self.truncated.add(answered)
         chosen, rejected = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0].chunk(2)
-        margin = (chosen - rejected).detach()
-        return bradley_terry_loss(chosen, rejected).sum(), {"accuracy": (margin > 0).sum(), "reward_margin": margin.sum()}
+        margin, keep = (chosen - rejected).detach(), answered.to(chosen.dtype)
+        return (bradley_terry_loss(chosen, rejected) * keep).sum(), {"accuracy": ((margin > 0) & answered).sum(), "reward_margin": (margin * keep).sum()}
 
 
 def reward_model_loop(cfg: RewardModelConfig, env: WorkerEnv) -> None:
@@ -73,10 +79,13 @@ def reward_model_loop(cfg: RewardModelConfig, env: WorkerEnv) -> None:
     model, optimizer, scheduler, state = trainable(load_reward_model(cfg.model), cfg, env)
     meta = CheckpointMeta(base_model=cfg.model, format="consolidated")
 
-    def held_out() -> dict[str, float]:  # every rank scores the pairs: forwards stay in step under FSDP
-        return {"eval/accuracy": pairwise_accuracy(unwrap(model), tokenizer, cfg.eval_data, cfg.data.max_seq_len, env.device)} if cfg.eval_data else {}
+    objective = PairwiseObjective()
 
-    run_steps(cfg, env, loader, model, optimizer, scheduler, state, PairwiseObjective(), meta, tokenizer, held_out)
+    def final_metrics() -> dict[str, float]:  # every rank scores the held-out pairs: forwards stay in step under FSDP
+        held_out = {"eval/accuracy": pairwise_accuracy(unwrap(model), tokenizer, cfg.eval_data, cfg.data.max_seq_len, env.device)} if cfg.eval_data else {}
+        return {**held_out, "data/truncated_pairs": objective.truncated.total(env.device)}
+
+    run_steps(cfg, env, loader, model, optimizer, scheduler, state, objective, meta, tokenizer, final_metrics)
 
 
 @torch.no_grad()

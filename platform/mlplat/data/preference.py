@@ -11,6 +11,7 @@ prompt (multi-turn prompts) carry no labels.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ from mlplat.data.schemas import as_messages
 from mlplat.errors import DataError
 
 SIDES = ("chosen", "rejected")
+logger = logging.getLogger(__name__)
 
 
 class PreferenceDataConfig(DataConfig):
@@ -99,9 +101,16 @@ class PreferenceTokenizer:
 
 
 def read_preference_pairs(path: str | Path, tokenizer, max_seq_len: int) -> list[dict[str, list[int]]]:
-    """Tokenized pairs of a small held-out preference JSONL, read locally (for evaluation)."""
+    """Tokenized pairs of a small held-out preference JSONL, read locally (for evaluation). Pairs whose
+    response ``max_seq_len`` cut to nothing are left out, with a warning that counts them."""
     with open(path) as f:
-        return [tokenize_preference(tokenizer, json.loads(line), max_seq_len) for line in f if line.strip()]
+        pairs = [tokenize_preference(tokenizer, json.loads(line), max_seq_len) for line in f if line.strip()]
+    answered = [p for p in pairs if all(any(t != IGNORE_INDEX for t in p[f"{side}_labels"]) for side in SIDES)]
+    if not answered:
+        raise DataError(f"{path}: every one of the {len(pairs)} pairs has a response truncated to nothing at max_seq_len={max_seq_len}: raise data.max_seq_len")
+    if len(answered) < len(pairs):
+        logger.warning("%s: %d of %d pairs left out: a response truncated to nothing at max_seq_len=%d", path, len(pairs) - len(answered), len(pairs), max_seq_len)
+    return answered
 
 
 def prepare_preference_dataset(

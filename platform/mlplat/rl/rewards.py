@@ -3,7 +3,8 @@
 Every source is a callable ``(samples, rows) -> list[float]``: ``rows[i]`` is the task row
 (its ``answer`` and any other fields) that sample ``i`` answers. ``build_reward_fn`` picks
 one from a ``RewardConfig``; a reward model runs as its own Ray actor
-(``RewardModelScorer``) that every training rank shares.
+(``RewardModelScorer``) that every training rank shares. A recipe may sum several sources
+with weights (TRL's ``reward_funcs`` and ``reward_weights``): ``weighted_rewards``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Literal
 
 import ray
 import torch
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from mlplat.config import Config
 from mlplat.data.rl_prompts import prompt_messages
@@ -34,6 +35,7 @@ JUDGE_PROMPT = (
 
 class RewardConfig(Config):
     kind: Literal["exact_match", "function", "reward_model", "judge"] = "exact_match"
+    name: str | None = Field(default=None, min_length=1)  # in metric names (rewards/{name}/mean); default: the function's name or the kind
     function: str | None = None  # kind=function: "package.module:name", called as f(completion: str, row: dict) -> float
     reward_model: str | None = None  # kind=reward_model: HF directory or models:/ URI of a reward model
     reward_model_num_cpus: float = 1
@@ -48,6 +50,12 @@ class RewardConfig(Config):
         if needed and getattr(self, needed) is None:
             raise ValueError(f"reward.kind={self.kind} needs reward.{needed}")
         return self
+
+    @property
+    def label(self) -> str:
+        if self.name is not None:
+            return self.name
+        return self.function.rpartition(":")[2] if self.kind == "function" else self.kind
 
 
 def exact_match(samples: list[Sample], rows: list[dict]) -> list[float]:
@@ -127,3 +135,12 @@ def build_reward_fn(cfg: RewardConfig, scorer=None) -> RewardFn:
 
         return score
     return LLMJudge(cfg.judge_url, cfg.judge_model, os.environ.get(cfg.judge_api_key_env), cfg.judge_prompt)
+
+
+def weighted_rewards(fns: dict[str, RewardFn], weights: list[float], samples: list[Sample], rows: list[dict]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The weighted sum of every source's rewards [N], and each source's own [N] by name."""
+    each = {name: torch.tensor(fn(samples, rows), dtype=torch.float32) for name, fn in fns.items()}
+    for name, values in each.items():
+        if values.shape != (len(samples),):
+            raise ValueError(f"reward {name!r} returned {tuple(values.shape)} values for {len(samples)} completions")
+    return sum(w * values for w, values in zip(weights, each.values(), strict=True)), each

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from mlplat.data.labels import IGNORE_INDEX, PAD_SEQ_ID
+from mlplat.train import collectives
 
 
 def pad_collate(batch: dict[str, np.ndarray], pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -46,6 +47,26 @@ class PairCollate:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         both = {key: [*batch[f"chosen_{key}"], *batch[f"rejected_{key}"]] for key in ("input_ids", "labels")}
         return pad_collate(both, self.pad_token_id)
+
+
+def answered_pairs(labels: torch.Tensor) -> torch.Tensor:
+    """bool [B] for a PairCollate batch's labels [2B, L]: both sides kept at least one response token
+    (a response truncated to nothing by ``max_seq_len`` compares prompts, not answers)."""
+    return (labels != IGNORE_INDEX).any(-1).view(2, -1).all(0)
+
+
+class PairCounter:
+    """Pairs an objective left out for having no response tokens, counted on this rank without a sync
+    (``total()`` is one all-reduce, every rank calling it)."""
+
+    def __init__(self):
+        self.local = 0
+
+    def add(self, answered: torch.Tensor) -> None:
+        self.local += (~answered).sum()
+
+    def total(self, device: torch.device) -> int:
+        return int(collectives.all_reduce(torch.as_tensor(self.local, dtype=torch.float64), device).item())
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy over unmasked labels, and how many tokens that is.

@@ -1,17 +1,21 @@
 """Post-training objectives, named and parameterised the way TRL / OpenRLHF users know them.
 
 - ``bradley_terry_loss``: reward model, -log sigmoid(r_chosen - r_rejected).
-- ``dpo_loss``: Rafailov et al. 2023, sigmoid loss with conservative label smoothing (cDPO).
-- ``group_advantages`` + ``grpo_loss``: Shao et al. 2024 (DeepSeekMath): rewards normalised
-  within each prompt's group of samples, the PPO clipped surrogate, and a KL penalty to the
-  reference model with the k3 estimator (Schulman 2020), averaged over tokens (not
-  sequences: long answers are not down-weighted, as in DAPO).
+- ``dpo_loss``: DPO (Rafailov et al. 2023) and its variants by TRL's ``loss_type``: sigmoid (cDPO), robust, hinge, IPO.
+- ``advantages``: GRPO's group-normalised rewards (Shao et al. 2024), RLOO's leave-one-out baseline
+  and REINFORCE++'s batch-normalised ones (OpenRLHF's ``advantage_estimator`` names).
+- ``clipped_surrogate`` + ``k3_kl``: the PPO clipped policy gradient (with DAPO's clip-higher) and
+  the k3 KL to a reference model (Schulman 2020), per token; ``token_loss_units`` and
+  ``summed_token_loss`` average them over completions, tokens or micro-batches by TRL's ``loss_type``.
 
-Preference losses are per pair (a step sums and averages them over the global batch, mlplat.train.step);
-GRPO's returns its loss and the statistics a run logs, detached.
+Every loss here is summed over its units (pairs, completions, tokens): a step sums and averages it
+over the global batch (mlplat.train.step).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +43,9 @@ def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Te
     return -F.logsigmoid(chosen - rejected)
 
 
+DPOLossType = Literal["sigmoid", "ipo", "hinge", "robust"]
+
+
 def dpo_loss(
     policy_chosen: torch.Tensor,
     policy_rejected: torch.Tensor,
@@ -46,61 +53,115 @@ def dpo_loss(
     ref_rejected: torch.Tensor,
     beta: float,
     label_smoothing: float = 0.0,
+    loss_type: DPOLossType = "sigmoid",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """DPO's sigmoid loss from summed sequence log-probs [B] of policy and reference: per-pair losses
-    and the implicit rewards of both sides, beta * (log pi - log pi_ref), each [B] (as TRL's ``dpo_loss``).
+    """DPO's per-pair losses [B] from sequence log-probs [B] of policy and reference, and the implicit
+    rewards of both sides, beta * (log pi - log pi_ref), each [B] (TRL's ``dpo_loss`` and ``loss_type``).
 
-    ``label_smoothing`` is the assumed probability that a pair's preference label is flipped (0: plain DPO).
+    With h = (log pi - log pi_ref)(chosen) - (log pi - log pi_ref)(rejected) and eps = ``label_smoothing``
+    (the assumed probability that a pair's label is flipped):
+    - ``sigmoid`` (Rafailov et al. 2023; cDPO with eps > 0): -(1 - eps) log s(beta h) - eps log s(-beta h);
+    - ``robust`` (Chowdhury et al. 2024): (-(1 - eps) log s(beta h) + eps log s(-beta h)) / (1 - 2 eps);
+    - ``hinge`` (SLiC, Zhao et al. 2023): max(0, 1 - beta h);
+    - ``ipo`` (Azar et al. 2023): (h - 1 / (2 beta))^2, on per-token mean log-probs (the caller's to pass).
     """
     chosen_rewards = beta * (policy_chosen - ref_chosen)
     rejected_rewards = beta * (policy_rejected - ref_rejected)
-    logits = chosen_rewards - rejected_rewards
-    losses = -(1 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
+    h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
+    if loss_type == "sigmoid":
+        losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    elif loss_type == "robust":
+        losses = (-(1 - label_smoothing) * F.logsigmoid(beta * h) + label_smoothing * F.logsigmoid(-beta * h)) / (1 - 2 * label_smoothing)
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * h)
+    elif loss_type == "ipo":
+        losses = (h - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"unknown DPO loss_type {loss_type!r}")
     return losses, chosen_rewards.detach(), rejected_rewards.detach()
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6, scale: bool = True) -> torch.Tensor:
-    """(r - mean of its group) / (std of its group + eps); rows are grouped consecutively by prompt.
+AdvantageEstimator = Literal["group_norm", "rloo", "reinforce", "reinforce_baseline"]
+ScaleRewards = Literal["group", "batch", "none"]
+LossType = Literal["grpo", "dr_grpo", "dapo", "bnpo"]
+Moments = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # values -> (mean, std) over the whole batch
 
-    A group whose samples all got the same reward has advantage 0: it teaches nothing.
-    ``scale=False`` keeps only the mean baseline (Dr. GRPO), avoiding the bias toward
-    groups of near-equal rewards.
+
+def local_moments(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return values.mean(), values.std()
+
+
+def advantages(
+    rewards: torch.Tensor,
+    num_generations: int,
+    estimator: AdvantageEstimator = "group_norm",
+    scale_rewards: ScaleRewards = "group",
+    batch_moments: Moments = local_moments,
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    """Per-completion advantages from rewards [N]; completions come in consecutive groups of one prompt.
+
+    - ``group_norm`` (GRPO): r - mean of its group, divided by the group's std (``scale_rewards="group"``),
+      the whole batch's std (``"batch"``) or nothing (``"none"``, Dr. GRPO);
+    - ``rloo``: r_i - mean of the other G-1 rewards of its group (leave-one-out baseline, no scaling);
+    - ``reinforce`` (REINFORCE++): (r - batch mean) / batch std, no per-group baseline;
+    - ``reinforce_baseline`` (REINFORCE++-baseline): r - mean of its group, divided by the batch's std.
+
+    "Batch" means every rank's completions of the step: ``batch_moments`` gives their mean and std
+    (a collective in the recipe; local by default). A group whose rewards are all equal gets 0 from
+    every estimator but ``reinforce``.
     """
-    assert rewards.numel() % group_size == 0, "rewards must come in whole groups"
-    grouped = rewards.view(-1, group_size)
-    centered = grouped - grouped.mean(dim=1, keepdim=True)
-    if scale:
-        centered = centered / (grouped.std(dim=1, keepdim=True) + eps)
-    return centered.reshape(-1)
+    assert rewards.numel() % num_generations == 0, "rewards must come in whole groups"
+    grouped = rewards.view(-1, num_generations)
+    group_mean = grouped.mean(dim=1, keepdim=True)
+    if estimator == "rloo":
+        assert num_generations > 1, "rloo needs at least 2 completions per prompt"
+        return (grouped - (grouped.sum(dim=1, keepdim=True) - grouped) / (num_generations - 1)).reshape(-1)
+    if estimator == "reinforce":
+        mean, std = batch_moments(rewards)
+        return (rewards - mean) / (std + eps)
+    centered = (grouped - group_mean).reshape(-1)
+    if estimator == "reinforce_baseline" or scale_rewards == "batch":
+        return centered / (batch_moments(rewards)[1] + eps)
+    if scale_rewards == "group":
+        return centered / (grouped.std(dim=1, keepdim=True).expand_as(grouped).reshape(-1) + eps)
+    return centered
 
 
-def grpo_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_ratio: float,
-    ref_logprobs: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    num_tokens: torch.Tensor | float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped policy-gradient loss plus kl_coef * KL(pi || pi_ref), summed over tokens / ``num_tokens``.
+def clipped_surrogate(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, epsilon: float, epsilon_high: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped policy-gradient loss per token [B, T] and where the clip bound it (bool [B, T]).
 
-    ``logprobs``/``old_logprobs``/``ref_logprobs``/``mask`` are per token [B, T]; ``advantages``
-    per sequence [B]. ``num_tokens`` defaults to this batch's response tokens; pass the
-    global count (all ranks and micro-batches) so the average is over every token once.
-    """
-    mask = mask.float()
-    num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
+    ``advantages`` are per completion [B]; the ratio is clipped to [1 - epsilon, 1 + epsilon_high]
+    (``epsilon_high`` defaults to ``epsilon``; higher is DAPO's clip-higher)."""
     ratio = torch.exp(logprobs - old_logprobs)
     adv = advantages[:, None]
-    unclipped, clipped = ratio * adv, ratio.clamp(1 - clip_ratio, 1 + clip_ratio) * adv
-    per_token = -torch.minimum(unclipped, clipped)
-    stats = {"clip_fraction": (((unclipped > clipped).float() * mask).sum() / mask.sum().clamp(min=1)).item()}
-    if ref_logprobs is not None and kl_coef > 0:
-        log_ratio = ref_logprobs - logprobs
-        kl = torch.exp(log_ratio) - log_ratio - 1  # k3: unbiased, always >= 0
-        per_token = per_token + kl_coef * kl
-        stats["kl"] = ((kl * mask).sum() / mask.sum().clamp(min=1)).item()
-    loss = (per_token * mask).sum() / num_tokens
-    return loss, stats
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1 - epsilon, 1 + (epsilon if epsilon_high is None else epsilon_high)) * adv
+    return -torch.minimum(unclipped, clipped), unclipped > clipped
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """KL(pi || pi_ref) per token with the k3 estimator (Schulman 2020): unbiased and never negative."""
+    log_ratio = ref_logprobs - logprobs
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def token_loss_units(mask: torch.Tensor, loss_type: LossType, max_completion_length: int) -> torch.Tensor:
+    """What ``loss_type`` averages a micro-batch's summed token loss over (a step divides by the global total):
+    completions (``grpo``), completions x max_completion_length (``dr_grpo``), completion tokens (``dapo``),
+    or one per micro-batch (``bnpo``: each micro-batch's own token mean, then the mean of those)."""
+    rows = torch.tensor(mask.shape[0], device=mask.device)
+    return {"grpo": rows, "dr_grpo": rows * max_completion_length, "dapo": mask.sum(), "bnpo": torch.ones((), device=mask.device)}[loss_type]
+
+
+def summed_token_loss(values: torch.Tensor, mask: torch.Tensor, loss_type: LossType) -> torch.Tensor:
+    """A micro-batch's per-token ``values`` [B, T] summed the way ``loss_type`` averages them over its units:
+    per-completion token means summed (``grpo``), the token sum (``dr_grpo``, ``dapo``), or the token mean (``bnpo``)."""
+    mask = mask.to(values.dtype)
+    if loss_type == "grpo":
+        return ((values * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum()
+    if loss_type == "bnpo":
+        return (values * mask).sum() / mask.sum().clamp(min=1)
+    return (values * mask).sum()

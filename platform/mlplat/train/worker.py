@@ -181,6 +181,6 @@ def _local_rank(rank, loop, cfg, world_size, storage, datasets, restore_from, ba
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
     try:
-        loop(cfg, LocalWorkerEnv(storage, datasets, device, restore_from, cfg.num_checkpoints_to_keep))
+        loop(cfg, LocalWorkerEnv(storage, datasets, device, restore_from, getattr(cfg, "num_checkpoints_to_keep", None)))
     finally:
         dist.destroy_process_group()
