@@ -24,6 +24,7 @@ from mlplat.config import validate
 from mlplat.errors import ConfigError
 from mlplat.models import load_model
 from mlplat.train.batch import IGNORE_INDEX
+from mlplat.train.logprobs import install_logprob_head
 from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer
 from mlplat.train.parallel import ParallelConfig, full_state_dict, load_sharded, parallelize, save_sharded, unwrap
 from mlplat.train.step import train_step
@@ -93,7 +94,8 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
     torch.set_num_threads(1)  # two ranks on two cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
     out, cpu = Path(out), torch.device("cpu")
-    model = load_model(model_dir)
+    # The FSDP runs use the chunked log-prob head the recipes install (DDP's: full logits), so they are compared too.
+    model = install_logprob_head(load_model(model_dir), chunk_tokens=16)
     batches = _batches(model.config.vocab_size)
     result = {}
 
@@ -118,7 +120,7 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
     dist.barrier()
 
     # A fresh FSDP model (no activation checkpointing this time) and optimizer, loaded from the merge.
-    resumed = parallelize(load_model(model_dir), ParallelConfig(strategy="fsdp"), cpu)
+    resumed = parallelize(install_logprob_head(load_model(model_dir), chunk_tokens=16), ParallelConfig(strategy="fsdp"), cpu)
     resumed_optimizer = build_optimizer(resumed, OPTIM)
     resumed_scheduler = build_lr_scheduler(resumed_optimizer, OPTIM, total_steps=10)
     extra = load_sharded(out / "fsdp_merged", resumed, resumed_optimizer)

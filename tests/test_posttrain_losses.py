@@ -7,8 +7,10 @@ import math
 import pytest
 import torch
 
+from mlplat.rl.experience import rollout_batch
 from mlplat.rl.rollout import RolloutWorker, Sample
 from mlplat.train.batch import IGNORE_INDEX
+from mlplat.train.logprobs import install_logprob_head
 from mlplat.train.losses import (
     advantages,
     bradley_terry_loss,
@@ -16,10 +18,15 @@ from mlplat.train.losses import (
     dpo_loss,
     k3_kl,
     summed_token_loss,
-    token_logprobs,
     token_loss_units,
 )
-from train_apps.grpo import completion_logprobs, rollout_batch
+
+
+def plain_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Log-probs [B, L-1] of each labelled next token from full logits (0 where unlabelled): the oracle."""
+    targets = labels[:, 1:]
+    picked = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    return picked * (targets != IGNORE_INDEX)
 
 
 def softplus(x: float) -> float:
@@ -62,7 +69,6 @@ def test_dpo_objective_leaves_out_and_counts_pairs_truncated_to_nothing(tiny_mod
     """A pair whose rejected response max_seq_len cut away adds nothing: the loss is the other pairs' mean, and it is counted.
     IPO's log-probs are per-token means."""
     from mlplat.models import load_model, load_reward_model
-    from mlplat.train.losses import sequence_logprobs
     from train_apps.dpo import DPOObjective
     from train_apps.reward_model import PairwiseObjective
 
@@ -81,8 +87,8 @@ def test_dpo_objective_leaves_out_and_counts_pairs_truncated_to_nothing(tiny_mod
         assert objective.units(batch).item() == 2 and int(objective.truncated.local) == 1
         with torch.no_grad():
             tokens = (labels[:, 1:] != IGNORE_INDEX).sum(-1).clamp(min=1) if loss_type == "ipo" else torch.ones(6)
-            pi = sequence_logprobs(policy(input_ids=ids).logits, labels) / tokens
-            ref = sequence_logprobs(reference(input_ids=ids).logits, labels) / tokens
+            pi = plain_logprobs(policy(input_ids=ids).logits, labels).sum(-1) / tokens
+            ref = plain_logprobs(reference(input_ids=ids).logits, labels).sum(-1) / tokens
         expected = 0.0
         for c, r in ((0, 3), (2, 5)):
             h = ((pi[c] - ref[c]) - (pi[r] - ref[r])).item()
@@ -156,8 +162,8 @@ def test_batch_moments_over_ranks_are_the_whole_batchs(tmp_path):
 def _moments_on_two_ranks(cfg, env):
     import json
 
+    from mlplat.rl.experience import batch_moments
     from mlplat.train import collectives
-    from train_apps.grpo import batch_moments
 
     rank = collectives.rank()
     mean, std = batch_moments(env.device)(torch.tensor(REWARDS[:8] if rank == 0 else REWARDS[8:] + [0.0] * 4))
@@ -207,10 +213,12 @@ def _rollout(tiny_model, completions: int = 8):
 
     g = torch.Generator().manual_seed(0)
     samples = [Sample([5, 6, 7], torch.randint(8, 60, (1 + i % 4,), generator=g).tolist(), [-1.0] * (1 + i % 4), "", "stop") for i in range(completions)]
-    batch = rollout_batch(samples, advantages(torch.rand(completions, generator=g), 4), pad_token_id=0)
+    batch = {**rollout_batch(samples, pad_token_id=0), "advantages": advantages(torch.rand(completions, generator=g), 4)}
     model = load_model(tiny_model)
-    with torch.no_grad():
-        old = completion_logprobs(model(input_ids=batch["input_ids"]).logits, batch["labels"], 0.7)
+    with torch.no_grad():  # from full logits: the plain computation the chunked head must match
+        logp = torch.log_softmax(model(input_ids=batch["input_ids"]).logits[:, :-1] / 0.7, dim=-1)
+        targets = batch["labels"][:, 1:]
+        old = logp.gather(-1, targets.clamp(min=0)[..., None])[..., 0] * (targets != IGNORE_INDEX)
     batch["old_logprobs"] = old + 0.05 * torch.randn(old.shape, generator=g) * (batch["labels"][:, 1:] != IGNORE_INDEX)
     batch["ref_logprobs"] = old - 0.1
     return batch
@@ -230,7 +238,7 @@ def test_grpo_objective_accumulates_exactly_over_micro_batches(loss_type, tiny_m
     objective, batch = GRPOObjective(cfg), _rollout(tiny_model)
 
     def setup():
-        model = load_model(tiny_model)
+        model = install_logprob_head(load_model(tiny_model))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         return model, optimizer, build_lr_scheduler(optimizer, OptimizerConfig(lr=0.1, warmup_steps=1), 10)
 
@@ -251,9 +259,9 @@ def test_grpo_objective_equals_a_plain_loop_over_completions_and_tokens(tiny_mod
     from train_apps.grpo import GRPOConfig, GRPOObjective
 
     cfg = GRPOConfig(model="/m", data={"path": "/p"}, num_generations=4, beta=0.04, temperature=0.7, epsilon_high=0.28)
-    batch, model = _rollout(tiny_model), load_model(tiny_model)
+    batch, model = _rollout(tiny_model), install_logprob_head(load_model(tiny_model))
     loss, _ = GRPOObjective(cfg)(model, batch)
-    with torch.no_grad():
+    with torch.no_grad():  # the plain loop works from full logits (no log-prob request: the head is the plain linear layer)
         logp = torch.log_softmax(model(input_ids=batch["input_ids"]).logits.float() / 0.7, dim=-1)
     total, tokens = 0.0, 0
     for i in range(batch["input_ids"].shape[0]):
@@ -270,8 +278,7 @@ def test_grpo_objective_equals_a_plain_loop_over_completions_and_tokens(tiny_mod
 
 
 def test_rollout_batch_aligns_engine_logprobs_with_target_positions():
-    batch = rollout_batch([Sample([5, 6, 7], [8, 9], [-0.1, -0.2], "", "stop"), Sample([5], [4], [-0.3], "", "length")],
-                          torch.tensor([1.0, -1.0]), pad_token_id=0)  # fmt: skip
+    batch = rollout_batch([Sample([5, 6, 7], [8, 9], [-0.1, -0.2], "", "stop"), Sample([5], [4], [-0.3], "", "length")], pad_token_id=0)
     assert batch["labels"].tolist() == [[IGNORE_INDEX] * 3 + [8, 9], [IGNORE_INDEX, 4, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]]
     # target position t scores token t+1: the first completion token is predicted at len(prompt) - 1.
     torch.testing.assert_close(batch["engine_logprobs"], torch.tensor([[0, 0, -0.1, -0.2], [-0.3, 0, 0, 0]]))
@@ -287,13 +294,13 @@ def test_after_a_weight_sync_the_rollout_engine_scores_tokens_like_the_trainer(t
     def trainer_logprobs() -> torch.Tensor:
         ids = torch.tensor([tokens])
         with torch.no_grad():
-            return token_logprobs(trainer(input_ids=ids).logits, ids)[0][0]
+            return plain_logprobs(trainer(input_ids=ids).logits, ids)[0]
 
     torch.testing.assert_close(torch.tensor(rollout.score(tokens)), trainer_logprobs(), atol=1e-4, rtol=0)
     # One optimizer step on the trainer: the engine is stale until the sync.
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-2)
     ids = torch.tensor([tokens])
-    (-token_logprobs(trainer(input_ids=ids).logits, ids)[0].sum()).backward()
+    (-plain_logprobs(trainer(input_ids=ids).logits, ids).sum()).backward()
     optimizer.step()
     assert (torch.tensor(rollout.score(tokens)) - trainer_logprobs()).abs().max() > 1e-2
     assert rollout.update_weights({k: v.detach() for k, v in trainer.state_dict().items()}) > 0

@@ -117,10 +117,9 @@ def test_preference_objectives_accumulate_exactly_and_skip_non_finite_steps(reci
             scores = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
             expected = sum(math.log1p(math.exp(-(scores[i] - scores[i + 4]).item())) for i in range(4)) / 4
         else:
-            from mlplat.train.losses import sequence_logprobs
+            from mlplat.train.logprobs import sequence_logprobs
 
-            pi = sequence_logprobs(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits, batch["labels"])
-            ref = sequence_logprobs(reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits, batch["labels"])
+            pi, ref = sequence_logprobs(model, batch), sequence_logprobs(reference, batch)
             margins = [0.5 * ((pi[i] - ref[i]) - (pi[i + 4] - ref[i + 4])).item() for i in range(4)]
             expected = sum(0.9 * math.log1p(math.exp(-m)) + 0.1 * math.log1p(math.exp(m)) for m in margins) / 4
     state = train_step(model, batch, *whole[1:], grad_clip=10.0, objective=objective)

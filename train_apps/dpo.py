@@ -37,10 +37,11 @@ from pydantic import BaseModel, Field
 from mlplat.data.preference import PreferenceDataConfig, prepare_preference_dataset, read_preference_pairs
 from mlplat.models import load_model, load_tokenizer
 from mlplat.tracking import ModelRef
-from mlplat.train.batch import IGNORE_INDEX, PairCollate, PairCounter, answered_pairs, model_inputs
+from mlplat.train.batch import IGNORE_INDEX, PairCollate, PairCounter, answered_pairs
 from mlplat.train.checkpoint import CheckpointMeta
-from mlplat.train.loop import RecipeConfig, run_steps, train_shard, trainable, worker_setup
-from mlplat.train.losses import DPOLossType, dpo_loss, sequence_logprobs
+from mlplat.train.logprobs import sequence_logprobs
+from mlplat.train.loop import RecipeConfig, frozen_reference, run_steps, train_shard, trainable, worker_setup
+from mlplat.train.losses import DPOLossType, dpo_loss
 from mlplat.train.optim import OptimizerConfig
 from mlplat.train.parallel import unwrap
 from mlplat.train.recipe import RecipeRun
@@ -87,7 +88,7 @@ class DPOObjective:
 
     def logprobs(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(chosen, rejected) sequence log-probs [B]; IPO's are per-token means (TRL's length normalisation)."""
-        logps = sequence_logprobs(model(**model_inputs(batch), use_cache=False).logits, batch["labels"])
+        logps = sequence_logprobs(model, batch)
         if self.loss_type == "ipo":
             logps = logps / (batch["labels"][:, 1:] != IGNORE_INDEX).sum(-1).clamp(min=1)
         return logps.chunk(2)
@@ -114,7 +115,7 @@ def dpo_loop(cfg: DPOConfig, env: WorkerEnv) -> None:
     tokenizer = load_tokenizer(cfg.model)
     loader = train_shard(env, cfg.batch_size_per_worker, cfg.seed, PairCollate(tokenizer.pad_token_id))
     policy, optimizer, scheduler, state = trainable(load_model(cfg.model), cfg, env)
-    reference = load_model(cfg.model, device=env.device).eval().requires_grad_(False)
+    reference = frozen_reference(cfg.model, env.device)
     meta = CheckpointMeta(base_model=cfg.model, format="consolidated")
     # Every rank scores the held-out pairs (forwards stay in step under FSDP); rank 0 logs them.
     held_out = read_preference_pairs(cfg.eval_data, tokenizer, cfg.data.max_seq_len) if cfg.eval_data else None
@@ -146,7 +147,7 @@ def held_out_margins(policy, reference, pairs: list[dict], tokenizer, beta: floa
         chunk = pairs[start : start + batch_size]
         batch = {k: v.to(device) for k, v in collate({key: [p[key] for p in chunk] for key in chunk[0]}).items()}
         for name, model in (("policy", policy), ("reference", reference)):
-            logps[name].append(torch.stack(sequence_logprobs(model(**model_inputs(batch)).logits, batch["labels"]).chunk(2)))
+            logps[name].append(torch.stack(sequence_logprobs(model, batch).chunk(2)))
     policy.train(was_training)
     (pc, pr), (rc, rr) = torch.cat(logps["policy"], dim=1), torch.cat(logps["reference"], dim=1)
     margins = beta * ((pc - rc) - (pr - rr))

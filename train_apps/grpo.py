@@ -36,7 +36,6 @@ Run: ``mlplat train grpo --config grpo.yaml``.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -47,16 +46,17 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from mlplat.data.ingest import DataConfig
 from mlplat.data.rl_prompts import prepare_rl_prompt_dataset, prompt_messages
-from mlplat.evaluation import extract_answer, read_eval_rows
+from mlplat.evaluation import read_eval_rows
 from mlplat.models import load_model, load_tokenizer
 from mlplat.observability import catalogue as oc
+from mlplat.rl.experience import RowsCollate, batch_moments, completion_mask, micro_batches, rollout_batch, score_completions
 from mlplat.rl.rewards import RewardConfig, build_reward_fn, start_reward_model, weighted_rewards
-from mlplat.rl.rollout import RolloutConfig, Sample, start_rollout_workers
+from mlplat.rl.rollout import RolloutConfig, held_out_exact_match, start_rollout_workers, sync_weights
 from mlplat.tracking import ModelRef, resolve_model
 from mlplat.train import collectives
-from mlplat.train.batch import IGNORE_INDEX, pad_collate
 from mlplat.train.checkpoint import CheckpointMeta
-from mlplat.train.loop import MetricWindow, RecipeConfig, record_step, save, train_shard, trainable, worker_setup
+from mlplat.train.logprobs import labelled_logprobs
+from mlplat.train.loop import MetricWindow, RecipeConfig, crossed, frozen_reference, record_step, save, train_shard, trainable, worker_setup
 from mlplat.train.losses import (
     AdvantageEstimator,
     LossType,
@@ -68,7 +68,6 @@ from mlplat.train.losses import (
     token_loss_units,
 )
 from mlplat.train.optim import OptimizerConfig
-from mlplat.train.parallel import full_state_dict
 from mlplat.train.recipe import RecipeRun
 from mlplat.train.step import train_step
 from mlplat.train.worker import WorkerEnv
@@ -143,53 +142,6 @@ class GRPOResult(BaseModel):
     max_logprob_diff: float  # largest |trainer - rollout engine| log-prob seen on sampled tokens, whole run
 
 
-class RowsCollate:
-    """Prompt rows stay JSON text in Ray Data (task fields vary); the trainer gets dicts."""
-
-    def __call__(self, batch: dict) -> list[dict]:
-        return [json.loads(text) for text in batch["text"]]
-
-
-def rollout_batch(samples: list[Sample], advantages: torch.Tensor, pad_token_id: int, mask_truncated: bool = False) -> dict[str, torch.Tensor]:
-    """Prompt + completion rows, labels on completion tokens only (none for a truncated completion with
-    ``mask_truncated``), and the engine's log-probs per target position."""
-    ids = [s.prompt_ids + s.completion_ids for s in samples]
-    labels = [[IGNORE_INDEX] * len(s.prompt_ids) + ([IGNORE_INDEX] * len(s.completion_ids) if mask_truncated and s.finish_reason == "length" else s.completion_ids)
-              for s in samples]  # fmt: skip
-    batch = pad_collate({"input_ids": ids, "labels": labels}, pad_token_id)
-    engine_logprobs = torch.zeros(batch["labels"][:, 1:].shape)
-    for i, s in enumerate(samples):  # target position t predicts token t+1
-        start = len(s.prompt_ids) - 1
-        engine_logprobs[i, start : start + len(s.logprobs)] = torch.tensor(s.logprobs)
-    return {**batch, "advantages": advantages, "engine_logprobs": engine_logprobs}
-
-
-def completion_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Log-probs [B, L-1] of the labelled (completion) tokens under ``logits / temperature``; 0 elsewhere."""
-    targets = labels[:, 1:]
-    logprobs = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    return logprobs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (targets != IGNORE_INDEX)
-
-
-def _forward(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-
-
-@torch.no_grad()
-def score(model, batch: dict[str, torch.Tensor], micro_batch_size: int, temperature: float) -> dict[str, torch.Tensor]:
-    """No-grad log-probs of the completion tokens at ``temperature`` and raw (the engine's), and the per-token
-    entropy at ``temperature``, one micro-batch of rows at a time."""
-    parts: dict[str, list[torch.Tensor]] = {"logprobs": [], "raw_logprobs": [], "entropy": []}
-    for rows in torch.arange(batch["input_ids"].shape[0]).split(micro_batch_size):
-        micro = {k: v[rows] for k, v in batch.items()}
-        logits = _forward(model, micro)
-        parts["logprobs"].append(completion_logprobs(logits, micro["labels"], temperature))
-        parts["raw_logprobs"].append(parts["logprobs"][-1] if temperature == 1.0 else completion_logprobs(logits, micro["labels"]))
-        logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-        parts["entropy"].append(-(logp.exp() * logp).sum(-1))
-    return {k: torch.cat(v) for k, v in parts.items()}
-
-
 class GRPOObjective:
     """The clipped policy gradient (+ beta k3 KL) on a micro-batch of completions, averaged by ``loss_type``.
 
@@ -199,11 +151,11 @@ class GRPOObjective:
         self.cfg = cfg
 
     def units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return token_loss_units(batch["labels"][:, 1:] != IGNORE_INDEX, self.cfg.loss_type, self.cfg.max_completion_length)
+        return token_loss_units(completion_mask(batch), self.cfg.loss_type, self.cfg.max_completion_length)
 
     def __call__(self, policy, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        cfg, mask = self.cfg, batch["labels"][:, 1:] != IGNORE_INDEX
-        logprobs = completion_logprobs(_forward(policy, batch), batch["labels"], cfg.temperature)
+        cfg, mask = self.cfg, completion_mask(batch)
+        logprobs = labelled_logprobs(policy, batch, cfg.temperature)
         per_token, clipped = clipped_surrogate(logprobs, batch["old_logprobs"], batch["advantages"], cfg.epsilon, cfg.epsilon_high)
         stats = {"clip_fraction": summed_token_loss(clipped.float(), mask, cfg.loss_type)}
         if cfg.beta > 0:
@@ -211,18 +163,6 @@ class GRPOObjective:
             per_token = per_token + cfg.beta * kl
             stats["kl"] = summed_token_loss(kl.detach(), mask, cfg.loss_type)
         return summed_token_loss(per_token, mask, cfg.loss_type), stats
-
-
-def batch_moments(device: torch.device):
-    """(mean, std) of a per-rank tensor over every rank's values: one all-reduce of count, sum, sum of squares."""
-
-    def moments(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        v = values.double()
-        n, total, squares = collectives.all_reduce(torch.stack([torch.tensor(float(v.numel()), dtype=torch.float64), v.sum(), (v * v).sum()]), device).cpu()
-        mean = total / n
-        return mean.float(), ((squares - n * mean * mean) / (n - 1).clamp(min=1)).clamp(min=0).sqrt().float()
-
-    return moments
 
 
 def grpo_loop(cfg: GRPOConfig, env: WorkerEnv, rollout_workers: list, reward_scorers: dict | None = None) -> None:
@@ -236,7 +176,7 @@ def grpo_loop(cfg: GRPOConfig, env: WorkerEnv, rollout_workers: list, reward_sco
 
     loader = train_shard(env, cfg.prompts_per_generation, cfg.seed, RowsCollate())
     policy, optimizer, scheduler, state = trainable(load_model(cfg.model), cfg, env)
-    reference = load_model(cfg.model, device=device).eval().requires_grad_(False) if cfg.beta > 0 else None
+    reference = frozen_reference(cfg.model, device) if cfg.beta > 0 else None
     if state.step > 0:  # restarted from a checkpoint: the actors may hold other weights
         sync_weights(policy, rollout_workers, rank, device)
     meta = CheckpointMeta(base_model=cfg.model, format="consolidated")
@@ -259,20 +199,19 @@ def grpo_loop(cfg: GRPOConfig, env: WorkerEnv, rollout_workers: list, reward_sco
         reward_s = time.perf_counter() - start
 
         start = time.perf_counter()
-        batch = {k: v.to(device) for k, v in rollout_batch(samples, adv, tokenizer.pad_token_id, cfg.mask_truncated_completions).items()}
-        mask = batch["labels"][:, 1:] != IGNORE_INDEX
-        scored = score(policy, batch, cfg.batch_size_per_worker, cfg.temperature)
+        batch = {k: v.to(device) for k, v in {**rollout_batch(samples, tokenizer.pad_token_id, cfg.mask_truncated_completions), "advantages": adv}.items()}
+        mask = completion_mask(batch)
+        scored = score_completions(policy, batch, cfg.batch_size_per_worker, cfg.temperature, entropy=True)
         batch["old_logprobs"] = scored["logprobs"]
         if reference is not None:
-            batch["ref_logprobs"] = score(reference, batch, cfg.batch_size_per_worker, cfg.temperature)["logprobs"]
+            batch["ref_logprobs"] = score_completions(reference, batch, cfg.batch_size_per_worker, cfg.temperature)["logprobs"]
         # The trainer and the rollout engine must agree on the sampled tokens' log-probs: stale weights would not.
         logprob_diff = ((scored["raw_logprobs"] - batch["engine_logprobs"]).abs() * mask).max().item()
         max_logprob_diff = max(max_logprob_diff, logprob_diff)
         score_s = time.perf_counter() - start
 
         start, step_stats = time.perf_counter(), []
-        rows_per_micro = cfg.batch_size_per_worker
-        micro = [{k: v[i : i + rows_per_micro] for k, v in batch.items()} for i in range(0, len(samples), rows_per_micro)]
+        micro = micro_batches(batch, cfg.batch_size_per_worker)
         for _ in range(cfg.num_iterations):
             for first in range(0, len(micro), cfg.grad_accum_steps):
                 if state.step == cfg.max_steps:
@@ -315,11 +254,6 @@ def grpo_loop(cfg: GRPOConfig, env: WorkerEnv, rollout_workers: list, reward_sco
             save(env, {"step": state.step}, policy, optimizer, scheduler, state, meta, tokenizer)
 
 
-def crossed(before: int, after: int, every: int) -> bool:
-    """The optimizer steps of one rollout, ``before`` -> ``after``, reached a multiple of ``every``."""
-    return after // every > before // every
-
-
 def export_metrics(metrics: dict[str, float], run_id: str) -> None:
     """Rank 0's log window as Prometheus metrics (mlplat.observability.catalogue)."""
     job = {"recipe": "grpo", "run_id": run_id}
@@ -330,24 +264,6 @@ def export_metrics(metrics: dict[str, float], run_id: str) -> None:
             metric.set(metrics[key], **job)
     for phase in ("rollout", "reward", "score", "train", "sync"):
         oc.TRAIN_STEP_PHASE_SECONDS.set(metrics[f"time/{phase}_s"], phase=phase, rank="0", **job)
-
-
-def sync_weights(policy, rollout_workers: list, rank: int, device: torch.device) -> None:
-    """Push the policy's full weights into every rollout actor in place; all ranks wait for it.
-
-    One ``ray.put`` of the CPU state dict, read by every actor through the object store (a
-    collective broadcast replaces it where the actors hold GPUs in the trainers' group)."""
-    state = full_state_dict(policy)  # a gather under FSDP: every rank takes part
-    if rank == 0:
-        ref = ray.put({name: tensor.detach().cpu() for name, tensor in state.items()})
-        ray.get([worker.update_weights.remote(ref) for worker in rollout_workers])
-    collectives.barrier(device)  # no rank samples from the old weights
-
-
-def held_out_exact_match(rollout_worker, rows: list[dict], max_tokens: int) -> float:
-    """Greedy exact match through a rollout actor (its weights are the policy's after each sync)."""
-    samples = ray.get(rollout_worker.generate.remote([r["messages"] for r in rows], {"n": 1, "max_tokens": max_tokens, "temperature": 0}))
-    return sum(extract_answer(s.text) == str(r["answer"]) for s, r in zip(samples, rows)) / len(rows)
 
 
 def run_grpo(cfg: GRPOConfig, tracking_uri: str | None = None, work_dir: str | Path = "outputs") -> GRPOResult:

@@ -75,3 +75,26 @@ def start_rollout_workers(model_dir: str, cfg: RolloutConfig) -> list:
     workers = [actor.remote(model_dir, cfg.model_dump()) for _ in range(cfg.num_workers)]
     ray.get([w.__ray_ready__.remote() for w in workers])  # fail here, not on the first rollout, if one cannot start
     return workers
+
+
+def sync_weights(policy, rollout_workers: list, rank: int, device: torch.device) -> None:
+    """Push the policy's full weights into every rollout actor in place; all ranks wait for it.
+
+    One ``ray.put`` of the CPU state dict, read by every actor through the object store (a
+    collective broadcast replaces it where the actors hold GPUs in the trainers' group)."""
+    from mlplat.train import collectives
+    from mlplat.train.parallel import full_state_dict
+
+    state = full_state_dict(policy)  # a gather under FSDP: every rank takes part
+    if rank == 0:
+        ref = ray.put({name: tensor.detach().cpu() for name, tensor in state.items()})
+        ray.get([worker.update_weights.remote(ref) for worker in rollout_workers])
+    collectives.barrier(device)  # no rank samples from the old weights
+
+
+def held_out_exact_match(rollout_worker, rows: list[dict], max_tokens: int) -> float:
+    """Greedy exact match through a rollout actor (its weights are the policy's after each sync)."""
+    from mlplat.evaluation import extract_answer
+
+    samples = ray.get(rollout_worker.generate.remote([r["messages"] for r in rows], {"n": 1, "max_tokens": max_tokens, "temperature": 0}))
+    return sum(extract_answer(s.text) == str(r["answer"]) for s, r in zip(samples, rows)) / len(rows)

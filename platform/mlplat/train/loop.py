@@ -19,6 +19,7 @@ from mlplat.data.ingest import DataConfig
 from mlplat.data.loader import ShardLoader
 from mlplat.train import collectives
 from mlplat.train.checkpoint import CheckpointMeta, TrainState, load_checkpoint, read_train_state, save_checkpoint
+from mlplat.train.logprobs import TokenLogprobHead, install_logprob_head
 from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer
 from mlplat.train.parallel import ParallelConfig, parallelize
 from mlplat.train.step import Objective, StepStats, train_step
@@ -68,7 +69,12 @@ def train_shard(env: WorkerEnv, batch_size: int, seed: int, collate_fn: Callable
 
 
 def trainable(model: torch.nn.Module, cfg: RecipeConfig, env: WorkerEnv):
-    """(model, optimizer, scheduler, state): parallelized, and restored from ``env.restore_from`` if there is one."""
+    """(model, optimizer, scheduler, state): parallelized, and restored from ``env.restore_from`` if there is one.
+
+    A causal LM gets the chunked log-prob head (``mlplat.train.logprobs``): its objectives never build
+    full-vocabulary logits for the batch."""
+    if _is_causal_lm(model):
+        install_logprob_head(model)
     model = parallelize(model, cfg.parallel, env.device)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.max_steps)
@@ -77,6 +83,17 @@ def trainable(model: torch.nn.Module, cfg: RecipeConfig, env: WorkerEnv):
         with checkpoint_directory(env.restore_from) as directory:
             state = load_checkpoint(directory, model, optimizer, scheduler)
     return model, optimizer, scheduler, state
+
+
+def _is_causal_lm(model: torch.nn.Module) -> bool:
+    return isinstance(getattr(model, "get_output_embeddings", lambda: None)(), torch.nn.Linear | TokenLogprobHead)
+
+
+def frozen_reference(path: str, device: torch.device) -> torch.nn.Module:
+    """The reference policy: the checkpoint at ``path``, frozen, in eval mode, with the chunked log-prob head."""
+    from mlplat.models import load_model
+
+    return install_logprob_head(load_model(path, device=device)).eval().requires_grad_(False)
 
 
 def save(env: WorkerEnv, metrics: dict, model, optimizer, scheduler, state: TrainState, meta: CheckpointMeta, tokenizer, export_hf: bool = True) -> None:
@@ -101,6 +118,11 @@ def record_step(state: TrainState, stats: StepStats, max_bad_steps_in_row: int) 
             f"step {state.step}: loss or gradient norm was not finite for {state.bad_steps_in_row} steps in a row "
             f"(last loss {stats.loss}, grad norm {stats.grad_norm}); lower optim.lr, check the data, or raise max_bad_steps_in_row"
         )
+
+
+def crossed(before: int, after: int, every: int) -> bool:
+    """Optimizer steps ``before`` -> ``after`` (one rollout's, say) reached a multiple of ``every``."""
+    return after // every > before // every
 
 
 def next_micro_batches(loader: ShardLoader, cfg: RecipeConfig, device: torch.device) -> list[dict[str, torch.Tensor]]:

@@ -20,23 +20,6 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from mlplat.train.batch import IGNORE_INDEX
-
-
-def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of each next token under ``logits`` ([B, L, V] -> [B, L-1]) and the mask of labelled ones."""
-    targets = labels[:, 1:]
-    mask = targets != IGNORE_INDEX
-    logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    picked = logprobs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return picked * mask, mask
-
-
-def sequence_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed log-prob of each row's labelled tokens: log pi(response | prompt), [B]."""
-    picked, _ = token_logprobs(logits, labels)
-    return picked.sum(-1)
-
 
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
     """Per-pair -log sigmoid(r_c - r_r) [B] (a sum over pairs is what an optimizer step averages)."""

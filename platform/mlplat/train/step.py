@@ -20,7 +20,8 @@ from typing import Protocol
 import torch
 
 from mlplat.train import collectives
-from mlplat.train.batch import IGNORE_INDEX, causal_lm_loss, count_tokens, model_inputs
+from mlplat.train.batch import IGNORE_INDEX, count_tokens
+from mlplat.train.logprobs import labelled_logprobs
 from mlplat.train.perf import PhaseTimer
 
 
@@ -43,8 +44,7 @@ class CausalLMObjective:
         return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
 
     def __call__(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        logits = model(**model_inputs(batch), use_cache=False).logits  # a KV cache is for generation
-        return causal_lm_loss(logits, batch["labels"])[0], {}
+        return -labelled_logprobs(model, batch).sum(), {}  # the summed cross-entropy, chunked over the vocabulary
 
 
 @dataclass
