@@ -1,32 +1,41 @@
 """Claim: GRPO rollouts on the native engine generate faster than transformers ``generate`` as the
-rollout backend; and where one GRPO step's time goes (rollout, reward, train, weight sync).
+rollout backend; and where one GRPO step's time goes (rollout, reward, scoring, train, weight sync).
 
-    python benchmarks/grpo_step.py [--quick] [--out FILE]
+    python benchmarks/grpo_step.py [--quick] [--shape tiny|wide|qwen2.5-0.5b] [--out FILE]
 
-Setup: the demo task (reversed-sum chat prompts), a Llama made locally (the quickstart's
-tiny model with --quick; a 4x wider, 2x deeper one otherwise), fp32 on CPU, one thread.
+Setup: the demo task (reversed-sum chat prompts), fp32 on CPU, one thread for both sides. Shapes:
+``tiny`` (the quickstart's model; --quick), ``wide`` (4x wider, 2x deeper; the default), and
+``qwen2.5-0.5b`` (Qwen2.5-0.5B's configuration with random weights: 494M parameters, 151,936-entry
+vocabulary; mlplat.models.shapes), whose weights, not per-step overhead, decide the time.
 
-1. Rollout throughput, same process, same prompts, same sampling (temperature 1, G samples
-   per prompt, max_new_tokens, log-probs of the sampled tokens returned by both):
-   - ours: ``mlplat.rl.rollout.RolloutWorker.generate`` (the engine: paged KV, continuous
-     batching, the G samples sharing their prompt's KV blocks);
-   - baseline: ``model.generate(do_sample=True, num_return_sequences=G, output_scores=True)``
-     on the left-padded prompt batch, log-probs from the returned scores.
-   Tokens = generated tokens (stop token included) / wall time; each side runs twice and the
+1. Rollout throughput, same process, same prompts, same sampling (temperature 1, G completions per
+   prompt, every completion's tokens with their log-probs). Random weights rarely emit the stop
+   token, so lengths are set: each prompt's completions get ``max_tokens`` drawn uniformly from
+   [max_len / 4, max_len] (seeded), with ``ignore_eos``; the equal-length ratio (every completion
+   max_len tokens) is reported beside it.
+   - ours: the rollout actor's engine (``RolloutWorker``: paged KV, continuous batching, the G
+     completions sharing their prompt's KV blocks), log-probs returned by the sampler;
+   - baseline, as TRL does it: ``model.generate(do_sample=True, num_return_sequences=G)`` on the
+     left-padded prompt batch, each row stopped at its length (a per-row stopping criterion: the
+     batch runs until its longest row is done), then the sampled tokens' log-probs from one
+     forward pass over prompt + completion, a few rows at a time (TRL's per-token log-probs),
+     not from ``output_scores``.
+   Tokens = completion tokens / wall time. Each side runs twice (once on the 0.5B shape) and the
    faster run counts (other processes only ever slow a run down).
 2. The recipe: ``train_apps.grpo.run_grpo`` for a few steps on the local Ray cluster (2 training
-   workers, 1 rollout actor); the per-phase seconds per step it logs (mean over steps after
-   the first log window, which holds warm-up) are read back from MLflow.
+   workers, 1 rollout actor); the per-phase seconds per step it logs (mean over the log windows
+   after the first, which holds warm-up; the only window if there is one) are read back from MLflow.
 
-JSON fields: rollout_throughput_ratio (ours / baseline tokens/s), rollout_s, reward_s,
-train_s, sync_s (seconds per GRPO step, from the recipe), engine_tokens_per_s,
-hf_tokens_per_s, recipe_rollout_tokens_per_s, setup.
+JSON fields: rollout_throughput_ratio (ours / baseline tokens/s, lengths as drawn),
+rollout_throughput_ratio_equal_length, rollout_s, reward_s, score_s, train_s, sync_s (seconds per
+rollout, from the recipe), engine_tokens_per_s, hf_tokens_per_s, recipe_rollout_tokens_per_s, setup.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import tempfile
 import time
 from pathlib import Path
@@ -36,23 +45,56 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def hf_rollouts(model, tokenizer, conversations: list[list[dict]], group_size: int, max_new_tokens: int, seed: int) -> int:
-    """Baseline: transformers sampling with log-probs; returns generated tokens (stop token included)."""
+def completion_lengths(prompts: int, max_len: int, equal: bool, seed: int = 0) -> list[int]:
+    """max_tokens per prompt: uniform in [max_len / 4, max_len], or max_len for all."""
+    rng = random.Random(seed)
+    return [max_len if equal else rng.randint(max(1, max_len // 4), max_len) for _ in range(prompts)]
+
+
+def engine_rollouts(worker, conversations: list[list[dict]], group_size: int, lengths: list[int], seed: int) -> int:
+    """Ours: every prompt's G completions with their log-probs; returns the completion tokens."""
+    from mlplat.engine import SamplingParams
+
+    engine = worker.engine
+    for conversation, length in zip(conversations, lengths):
+        params = SamplingParams(n=group_size, max_tokens=length, temperature=1.0, ignore_eos=True, logprobs=True, seed=seed)
+        engine.add_request(worker.prompt_ids(conversation), params)
+    tokens = 0
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.finished:
+                tokens += sum(len(c.sampled_token_ids) for c in out.outputs)
+                assert all(len(c.sampled_logprobs) == len(c.sampled_token_ids) for c in out.outputs)
+    return tokens
+
+
+def hf_rollouts(model, tokenizer, conversations: list[list[dict]], group_size: int, lengths: list[int], seed: int, logprob_rows: int = 4) -> int:
+    """Baseline: transformers sampling, each row stopped at its length, then log-probs from one forward pass."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
     tokenizer.padding_side = "left"
     texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
     enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    prompt_len = enc["input_ids"].shape[1]
+    row_lengths = torch.tensor(lengths).repeat_interleave(group_size)
+
+    class RowLengths(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return (input_ids.shape[1] - prompt_len) >= row_lengths
+
     torch.manual_seed(seed)
     with torch.inference_mode():
-        out = model.generate(
-            **enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, num_return_sequences=group_size,
-            output_scores=True, return_dict_in_generate=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        sequences = model.generate(
+            **enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max(lengths), num_return_sequences=group_size,
+            stopping_criteria=StoppingCriteriaList([RowLengths()]), eos_token_id=None, pad_token_id=tokenizer.pad_token_id,
         )  # fmt: skip
-        new = out.sequences[:, enc["input_ids"].shape[1] :]
-        logprobs = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1).gather(-1, new[..., None])[..., 0]
-    finished = (new == tokenizer.eos_token_id).cumsum(1)
-    generated = ((finished == 0) | ((finished == 1) & (new == tokenizer.eos_token_id))).sum()  # up to and including the stop token
-    assert logprobs.shape == new.shape
-    return int(generated)
+        completion = torch.arange(sequences.shape[1] - prompt_len)[None] < row_lengths[:, None]
+        attention = torch.cat([enc["attention_mask"].repeat_interleave(group_size, 0), completion.long()], dim=1)
+        logprobs = []
+        for rows in torch.arange(sequences.shape[0]).split(logprob_rows):
+            logits = model(input_ids=sequences[rows], attention_mask=attention[rows]).logits[:, prompt_len - 1 : -1]
+            logprobs.append(torch.log_softmax(logits.float(), -1).gather(-1, sequences[rows, prompt_len:, None])[..., 0] * completion[rows])
+    return int(completion.sum())
 
 
 def best_of(runs: int, fn) -> tuple[float, int]:
@@ -67,38 +109,55 @@ def best_of(runs: int, fn) -> tuple[float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the tiny model and fewer steps (< 3 minutes)")
+    parser.add_argument("--shape", choices=["tiny", "wide", "qwen2.5-0.5b"], default=None, help="default: tiny with --quick, else wide")
     parser.add_argument("--out", type=Path, default=RESULTS / "grpo_step.json")
     args = parser.parse_args()
+    shape_name = args.shape or ("tiny" if args.quick else "wide")
 
     import ray
 
     from mlplat.data.demo import DemoDataConfig, tokenizer_corpus, write_demo_data
     from mlplat.data.ingest import DataConfig
     from mlplat.models import TinyModelConfig, build_tiny_model, load_model, load_tokenizer
+    from mlplat.models.shapes import SHAPES, build_random_model
     from mlplat.rl.rollout import RolloutWorker
     from train_apps.grpo import GRPOConfig, run_grpo
 
     torch.set_num_threads(1)
-    prompts, group_size, max_new_tokens = (8, 8, 8) if args.quick else (16, 8, 16)
-    shape = TinyModelConfig() if args.quick else TinyModelConfig(hidden_size=768, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4)
+    big = shape_name == "qwen2.5-0.5b"
+    prompts, group_size, max_len = {"tiny": (8, 8, 8), "wide": (16, 8, 16), "qwen2.5-0.5b": (8, 4, 48)}[shape_name]
+    runs = 1 if big else 2
     work = Path(tempfile.mkdtemp(prefix="grpo_bench_"))
     data = write_demo_data(work / "data", DemoDataConfig(sft_rows=2000, eval_rows=50, preference_rows=50, rl_rows=400))
-    model_dir = build_tiny_model(work / "model", tokenizer_corpus(data.sft), shape)
+    if big:
+        shape = SHAPES[shape_name]
+        model_dir = build_random_model(work / "model", shape, tokenizer_corpus(data.sft))
+    else:
+        shape = TinyModelConfig() if shape_name == "tiny" else TinyModelConfig(hidden_size=768, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4)
+        model_dir = build_tiny_model(work / "model", tokenizer_corpus(data.sft), shape)
     with open(data.rl_prompts) as f:
         conversations = [json.loads(line)["messages"] for line in f][:prompts]
 
-    engine = RolloutWorker(str(model_dir), {})
-    params = {"n": group_size, "max_tokens": max_new_tokens, "temperature": 1.0, "seed": 0}
-    engine_s, engine_tokens = best_of(2, lambda: sum(len(s.completion_ids) for s in engine.generate(conversations, params)))
+    engine = RolloutWorker(str(model_dir), {"kv_cache_memory_gb": 1.0 if big else 0.25})
     hf_model, tokenizer = load_model(model_dir).eval(), load_tokenizer(model_dir)
-    hf_s, hf_tokens = best_of(2, lambda: hf_rollouts(hf_model, tokenizer, conversations, group_size, max_new_tokens, seed=0))
+    ratios, measured = {}, {}
+    for name, equal in (("drawn", False), ("equal", True)):
+        lengths = completion_lengths(prompts, max_len, equal)
+        engine_s, engine_tokens = best_of(runs, lambda: engine_rollouts(engine, conversations, group_size, lengths, seed=0))  # noqa: B023
+        hf_s, hf_tokens = best_of(runs, lambda: hf_rollouts(hf_model, tokenizer, conversations, group_size, lengths, seed=0))  # noqa: B023
+        assert engine_tokens == hf_tokens == group_size * sum(lengths)
+        ratios[name] = hf_s / engine_s
+        measured[name] = {"lengths": lengths, "tokens": engine_tokens, "engine_s": engine_s, "hf_s": hf_s}
+    engine = hf_model = None  # the driver's copies go before the recipe's workers load theirs
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    steps, log_every = (6, 3) if args.quick else (20, 5)
+    steps, log_every = (2, 1) if big else (6, 3) if args.quick else (20, 5)
     cfg = GRPOConfig(
         model=str(model_dir), data=DataConfig(path=str(data.rl_prompts)), max_steps=steps, log_every=log_every, checkpoint_every=steps,
-        num_workers=2, batch_size_per_worker=prompts // 2 * group_size, num_generations=group_size, max_completion_length=max_new_tokens,
+        num_workers=2, batch_size_per_worker=prompts // 2 * group_size, num_generations=group_size, max_completion_length=max_len,
         storage_path=str(work / "ray_train"), registered_model=None,
+        parallel={"strategy": "fsdp" if big else "ddp"},  # 0.5B in fp32 with AdamW: sharded over the 2 workers to fit beside the engine
+        rollout={"kv_cache_memory_gb": 1.0 if big else 0.25},
     )  # fmt: skip
     tracking_uri = f"sqlite:///{work / 'mlflow.db'}"
     result = run_grpo(cfg, tracking_uri=tracking_uri, work_dir=work / "outputs")
@@ -108,28 +167,35 @@ def main() -> None:
 
     def steady(metric: str) -> float:
         history = [m.value for m in sorted(client.get_metric_history(result.run_id, metric), key=lambda m: m.step)]
-        return sum(history[1:]) / len(history[1:])  # every window after the first (warm-up)
+        steady_windows = history[1:] or history  # every window after the first (warm-up)
+        return sum(steady_windows) / len(steady_windows)
 
     ray.shutdown()
+    drawn = measured["drawn"]
     out = {
-        "rollout_throughput_ratio": (engine_tokens / engine_s) / (hf_tokens / hf_s),
+        "rollout_throughput_ratio": ratios["drawn"],
+        "rollout_throughput_ratio_equal_length": ratios["equal"],
         "rollout_s": steady("time/rollout_s"),
         "reward_s": steady("time/reward_s"),
         "score_s": steady("time/score_s"),
         "train_s": steady("time/train_s"),
         "sync_s": steady("time/sync_s"),
-        "engine_tokens_per_s": engine_tokens / engine_s,
-        "hf_tokens_per_s": hf_tokens / hf_s,
+        "engine_tokens_per_s": drawn["tokens"] / drawn["engine_s"],
+        "hf_tokens_per_s": drawn["tokens"] / drawn["hf_s"],
         "recipe_rollout_tokens_per_s": steady("rollout/tokens_per_s"),
+        "rollouts": measured,
         "setup": {
-            "quick": args.quick, "prompts": prompts, "group_size": group_size, "max_new_tokens": max_new_tokens,
+            "quick": args.quick, "shape": shape_name, "prompts": prompts, "num_generations": group_size, "max_len": max_len,
+            "length_distribution": "per prompt, uniform integer in [max_len // 4, max_len], seed 0; ignore_eos", "runs_per_side": runs,
             "model": shape.model_dump(), "threads": torch.get_num_threads(), "grpo_steps": steps, "training_workers": 2,
+            "date": time.strftime("%Y-%m-%d"),
         },
     }  # fmt: skip
     rows = [
         ("rollout tokens/s, engine (ours)", f"{out['engine_tokens_per_s']:.0f}"),
         ("rollout tokens/s, transformers generate", f"{out['hf_tokens_per_s']:.0f}"),
-        ("rollout_throughput_ratio", f"{out['rollout_throughput_ratio']:.2f}"),
+        ("rollout_throughput_ratio (lengths drawn)", f"{out['rollout_throughput_ratio']:.2f}"),
+        ("rollout_throughput_ratio (equal lengths)", f"{out['rollout_throughput_ratio_equal_length']:.2f}"),
         ("GRPO step: rollout s", f"{out['rollout_s']:.3f}"),
         ("GRPO step: reward s", f"{out['reward_s']:.4f}"),
         ("GRPO step: scoring (old/ref log-probs) s", f"{out['score_s']:.3f}"),

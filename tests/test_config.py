@@ -156,7 +156,7 @@ def test_readme_recipe_configs_validate():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"lora": {"r": 8}, "parallel": {"strategy": "fsdp"}}, "lora with parallel.strategy=fsdp"),
+        ({"lora": {"r": 0}}, "lora.r"),
         ({"parallel": {"strategy": "zero3"}}, "parallel.strategy"),
         ({"grad_accum_steps": 0}, "grad_accum_steps"),
         ({"lora": {"target_modules": []}}, "lora.target_modules"),

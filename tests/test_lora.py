@@ -233,3 +233,24 @@ def test_ddp_and_activation_checkpointing(tiny_model, batch, tmp_path):
         assert any(v.abs().max() > 0 for k, v in state.items() if "lora_B" in k)
     finally:
         dist.destroy_process_group()
+
+
+def test_with_adapters_off_the_policy_is_the_base_model(tiny_model):
+    """The LoRA reference (mlplat.train.loop.AdaptersDisabled): with a non-zero B, the policy's log-probs differ from the
+    reference's, and the reference's are the base model's."""
+    from mlplat.train.logprobs import install_logprob_head, labelled_logprobs
+    from mlplat.train.loop import AdaptersDisabled
+
+    policy = install_logprob_head(apply_lora(load_model(tiny_model), LORA))
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.2)
+    ids = torch.tensor([[5, 9, 14, 20, 33, 41, 7, 8]])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    with torch.no_grad():
+        trained, reference = labelled_logprobs(policy, batch), labelled_logprobs(AdaptersDisabled(policy), batch)
+        base = labelled_logprobs(load_model(tiny_model), batch)
+    assert (trained - reference).abs().max() > 1e-3
+    torch.testing.assert_close(reference, base, atol=1e-6, rtol=0)
+    assert (labelled_logprobs(policy, batch) - trained).abs().max() == 0  # the adapters are back on after the reference pass

@@ -26,7 +26,7 @@ from mlplat.models import load_model
 from mlplat.train.batch import IGNORE_INDEX
 from mlplat.train.logprobs import install_logprob_head
 from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer
-from mlplat.train.parallel import ParallelConfig, full_state_dict, load_sharded, parallelize, save_sharded, unwrap
+from mlplat.train.parallel import ParallelConfig, full_state_dict, full_weights_by_layer, load_sharded, parallelize, save_sharded, unwrap
 from mlplat.train.step import train_step
 
 WORLD = 2
@@ -104,6 +104,9 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
     optimizer, scheduler, stats = _train(fsdp, batches[:3], micro_batches=2)
     result["fsdp"] = [(s.loss, s.grad_norm) for s in stats]
     full = full_state_dict(fsdp)
+    layers = list(full_weights_by_layer(fsdp))  # the rollout weight sync's stream: a layer at a time, on rank 0
+    result["streamed"] = {"buckets": len(layers), "keys": [sorted(b) for b in layers],
+                          "equal_full": rank > 0 or _max_diff({k: v for b in layers for k, v in b.items()}, full) == 0.0}  # fmt: skip
     _save_full_training_state(out / "fsdp_state.pt", fsdp, optimizer)
     if rank == 0:  # the HF export as the recipe will do it
         torch.save(full, out / "fsdp_full.pt")
@@ -188,7 +191,7 @@ def _results(out: Path) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
-def test_fsdp_and_ddp_train_like_one_process(reference, two_ranks):
+def test_fsdp_and_ddp_train_like_one_process(reference, two_ranks, tiny_model):
     ref = reference["steps"][:3]
     assert all(norm > OPTIM.grad_clip for _, norm in ref), ref  # clipping really happened
     for result in _results(two_ranks):  # every rank reports the global loss and the global gradient norm
@@ -208,6 +211,11 @@ def test_fsdp_and_ddp_train_like_one_process(reference, two_ranks):
     assert _max_diff(torch.load(two_ranks / "ddp_state.pt", weights_only=False)[0], reference["weights"]) < WEIGHT_TOL
     exported = AutoModelForCausalLM.from_pretrained(two_ranks / "hf", local_files_only=True)  # the HF model class
     assert _max_diff(full, exported.state_dict()) == 0.0
+
+    # Streamed a decoder layer at a time (then embeddings, norm, head): the same tensors as the full gather, on rank 0 only.
+    streamed = [result["streamed"] for result in _results(two_ranks)]
+    assert all(s["equal_full"] for s in streamed) and streamed[0]["buckets"] == AutoModelForCausalLM.from_pretrained(tiny_model).config.num_hidden_layers + 1
+    assert sorted(k for keys in streamed[0]["keys"] for k in keys) == sorted(full) and not any(streamed[1]["keys"])
 
 
 def test_dcp_per_rank_dirs_merge_and_resume(reference, two_ranks, tiny_model):

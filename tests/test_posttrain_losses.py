@@ -390,3 +390,26 @@ def test_the_cli_prints_it_as_one_line(tmp_path):
     assert errors == [f"mlplat: error: eval_data: {tmp_path}/missing.jsonl is not a file: give a held-out JSONL path, or leave eval_data unset"]
     assert "Traceback" not in out.stderr
     assert "Started a local Ray instance" not in out.stderr  # inputs are checked before a cluster starts
+
+
+def test_a_lora_policy_streamed_layer_by_layer_scores_tokens_in_the_engine_like_the_trainer(tiny_model):
+    """GRPO with LoRA: the weights streamed to the rollout engine (full_weights_by_layer, as sync_weights sends them)
+    are the adapters merged into the base, so the engine's log-probs are the trained policy's."""
+    from mlplat.models import load_model
+    from mlplat.train.lora import LoRAConfig, apply_lora
+    from mlplat.train.parallel import full_weights_by_layer
+
+    rollout = RolloutWorker(str(tiny_model), {})
+    policy = apply_lora(load_model(tiny_model), LoRAConfig(r=4)).eval()
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.1)
+    tokens = rollout.prompt_ids([{"role": "user", "content": "What is 12 + 34?"}]) + [7, 8, 9]
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        trained = plain_logprobs(policy(input_ids=ids).logits, ids)[0]
+    assert (torch.tensor(rollout.score(tokens)) - trained).abs().max() > 1e-2  # the engine still holds the base weights
+    loaded = sum(rollout.update_weights(layer) for layer in full_weights_by_layer(policy))
+    assert loaded > 0
+    torch.testing.assert_close(torch.tensor(rollout.score(tokens)), trained, atol=1e-4, rtol=0)

@@ -123,3 +123,21 @@ def test_resume_from_a_finished_run_is_refused(recipes, tmp_path):
     with pytest.raises(ConfigError, match="at step 1, not before max_steps=1"):
         check_resume_from(str(run.checkpoints[-1]), max_steps=1)
     assert json.loads((run.checkpoints[-1] / "checkpoint.json").read_text())["base_model"] == cfg.model
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_dpo_with_lora_trains_adapters_against_the_base_model_as_reference(recipes, strategy, tmp_path):
+    """LoRA under FSDP2 and DDP: the reference is the policy with its adapters off (no second copy). At step 1 the
+    adapters are still zero (B = 0), so every implicit reward is exactly 0; then the adapters train, and the
+    export merges them into the base weights."""
+    from mlplat.train.lora import LoRAConfig
+
+    cfg, loop, rows = recipes["dpo"]
+    cfg = cfg.model_copy(update={"max_steps": 3, "lora": LoRAConfig(r=4, target_modules=["q_proj", "v_proj"]),
+                                 "parallel": cfg.parallel.model_copy(update={"strategy": strategy})})  # fmt: skip
+    run = run_local(loop, cfg, WORLD, tmp_path / "run", {"train": rows})
+    assert run.metrics[0]["rewards/chosen"] == 0 and run.metrics[0]["rewards/rejected"] == 0
+    assert run.metrics[-1]["rewards/chosen"] != 0
+    base, merged = load_file(cfg.model + "/model.safetensors"), _weights(run.checkpoints[-1])
+    changed = {name for name, tensor in base.items() if not torch.equal(tensor, merged[name])}
+    assert changed and all(".q_proj." in name or ".v_proj." in name for name in changed), changed

@@ -38,7 +38,6 @@ from mlplat.data.preference import PreferenceDataConfig, prepare_preference_data
 from mlplat.models import load_model, load_tokenizer
 from mlplat.tracking import ModelRef
 from mlplat.train.batch import IGNORE_INDEX, PairCollate, PairCounter, answered_pairs
-from mlplat.train.checkpoint import CheckpointMeta
 from mlplat.train.logprobs import sequence_logprobs
 from mlplat.train.loop import RecipeConfig, frozen_reference, run_steps, train_shard, trainable, worker_setup
 from mlplat.train.losses import DPOLossType, dpo_loss
@@ -115,8 +114,7 @@ def dpo_loop(cfg: DPOConfig, env: WorkerEnv) -> None:
     tokenizer = load_tokenizer(cfg.model)
     loader = train_shard(env, cfg.batch_size_per_worker, cfg.seed, PairCollate(tokenizer.pad_token_id))
     policy, optimizer, scheduler, state = trainable(load_model(cfg.model), cfg, env)
-    reference = frozen_reference(cfg.model, env.device)
-    meta = CheckpointMeta(base_model=cfg.model, format="consolidated")
+    reference = frozen_reference(cfg, env, policy)
     # Every rank scores the held-out pairs (forwards stay in step under FSDP); rank 0 logs them.
     held_out = read_preference_pairs(cfg.eval_data, tokenizer, cfg.data.max_seq_len) if cfg.eval_data else None
 
@@ -130,7 +128,7 @@ def dpo_loop(cfg: DPOConfig, env: WorkerEnv) -> None:
     def final_metrics() -> dict[str, float]:
         return {**margins("eval"), "data/truncated_pairs": objective.truncated.total(env.device)}
 
-    run_steps(cfg, env, loader, policy, optimizer, scheduler, state, objective, meta, tokenizer, final_metrics)
+    run_steps(cfg, env, loader, policy, optimizer, scheduler, state, objective, tokenizer, final_metrics)
 
 
 def _prefixed(margins: HeldOutMargins, prefix: str) -> dict[str, float]:

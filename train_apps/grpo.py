@@ -54,9 +54,19 @@ from mlplat.rl.rewards import RewardConfig, build_reward_fn, start_reward_model,
 from mlplat.rl.rollout import RolloutConfig, held_out_exact_match, start_rollout_workers, sync_weights
 from mlplat.tracking import ModelRef, resolve_model
 from mlplat.train import collectives
-from mlplat.train.checkpoint import CheckpointMeta
 from mlplat.train.logprobs import labelled_logprobs
-from mlplat.train.loop import MetricWindow, RecipeConfig, crossed, frozen_reference, record_step, save, train_shard, trainable, worker_setup
+from mlplat.train.loop import (
+    MetricWindow,
+    RecipeConfig,
+    checkpoint_meta,
+    crossed,
+    frozen_reference,
+    record_step,
+    save,
+    train_shard,
+    trainable,
+    worker_setup,
+)
 from mlplat.train.losses import (
     AdvantageEstimator,
     LossType,
@@ -176,10 +186,10 @@ def grpo_loop(cfg: GRPOConfig, env: WorkerEnv, rollout_workers: list, reward_sco
 
     loader = train_shard(env, cfg.prompts_per_generation, cfg.seed, RowsCollate())
     policy, optimizer, scheduler, state = trainable(load_model(cfg.model), cfg, env)
-    reference = frozen_reference(cfg.model, device) if cfg.beta > 0 else None
+    reference = frozen_reference(cfg, env, policy) if cfg.beta > 0 else None
     if state.step > 0:  # restarted from a checkpoint: the actors may hold other weights
         sync_weights(policy, rollout_workers, rank, device)
-    meta = CheckpointMeta(base_model=cfg.model, format="consolidated")
+    meta = checkpoint_meta(cfg)
     sampling = {"n": cfg.num_generations, "max_tokens": cfg.max_completion_length, "temperature": cfg.temperature, "top_p": cfg.top_p}
     eval_rows = read_eval_rows(cfg.eval_data, cfg.eval_limit) if cfg.eval_data and logger else None
     if eval_rows and state.step == 0:
@@ -251,7 +261,7 @@ def grpo_loop(cfg: GRPOConfig, env: WorkerEnv, rollout_workers: list, reward_sco
                 logger.log_metrics(metrics, step=state.step)
                 export_metrics(metrics, env.run_id)
         if last or crossed(step_before, state.step, cfg.checkpoint_every):
-            save(env, {"step": state.step}, policy, optimizer, scheduler, state, meta, tokenizer)
+            save(env, {"step": state.step}, policy, optimizer, scheduler, state, meta, tokenizer, export_hf=cfg.checkpoint_hf or last)
 
 
 def export_metrics(metrics: dict[str, float], run_id: str) -> None:

@@ -23,13 +23,12 @@ import sys
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel
+from pydantic import BaseModel, model_validator
 
 from mlplat.data.preference import PreferenceDataConfig, prepare_preference_dataset, read_preference_pairs
 from mlplat.models import load_reward_model, load_tokenizer
 from mlplat.tracking import ModelRef
 from mlplat.train.batch import PairCollate, PairCounter, answered_pairs
-from mlplat.train.checkpoint import CheckpointMeta
 from mlplat.train.loop import RecipeConfig, run_steps, train_shard, trainable, worker_setup
 from mlplat.train.losses import bradley_terry_loss
 from mlplat.train.parallel import unwrap
@@ -42,6 +41,12 @@ class RewardModelConfig(RecipeConfig):
     eval_data: str | None = None  # held-out preference JSONL: pairwise accuracy at the end
     experiment: str = "mlplat-reward-model"
     registered_model: str | None = "reward-model"
+
+    @model_validator(mode="after")
+    def _no_lora(self):
+        if self.lora is not None:
+            raise ValueError("lora: not supported for the reward model (its new score head must train in full); remove lora")
+        return self
 
 
 class RewardModelResult(BaseModel):
@@ -77,7 +82,6 @@ def reward_model_loop(cfg: RewardModelConfig, env: WorkerEnv) -> None:
     tokenizer = load_tokenizer(cfg.model)
     loader = train_shard(env, cfg.batch_size_per_worker, cfg.seed, PairCollate(tokenizer.pad_token_id))
     model, optimizer, scheduler, state = trainable(load_reward_model(cfg.model), cfg, env)
-    meta = CheckpointMeta(base_model=cfg.model, format="consolidated")
 
     objective = PairwiseObjective()
 
@@ -85,7 +89,7 @@ def reward_model_loop(cfg: RewardModelConfig, env: WorkerEnv) -> None:
         held_out = {"eval/accuracy": pairwise_accuracy(unwrap(model), tokenizer, cfg.eval_data, cfg.data.max_seq_len, env.device)} if cfg.eval_data else {}
         return {**held_out, "data/truncated_pairs": objective.truncated.total(env.device)}
 
-    run_steps(cfg, env, loader, model, optimizer, scheduler, state, objective, meta, tokenizer, final_metrics)
+    run_steps(cfg, env, loader, model, optimizer, scheduler, state, objective, tokenizer, final_metrics)
 
 
 @torch.no_grad()

@@ -37,9 +37,7 @@ from mlplat.observability.profiling import ProfileConfig, StepProfiler, step_tim
 from mlplat.tracking import ModelRef
 from mlplat.train import collectives
 from mlplat.train.batch import PadCollate
-from mlplat.train.checkpoint import CheckpointFormat, CheckpointMeta
-from mlplat.train.loop import RecipeConfig, next_micro_batches, record_step, save, train_shard, trainable, worker_setup
-from mlplat.train.lora import LoRAConfig, apply_lora
+from mlplat.train.loop import RecipeConfig, checkpoint_meta, next_micro_batches, record_step, save, train_shard, trainable, worker_setup
 from mlplat.train.parallel import unwrap
 from mlplat.train.perf import PhaseTimer, flops_per_token, measure_cpu_peak_flops, peak_flops
 from mlplat.train.recipe import RecipeRun
@@ -49,11 +47,9 @@ from mlplat.train.worker import WorkerEnv
 
 class SFTConfig(RecipeConfig):
     data: SFTDataConfig
-    lora: LoRAConfig | None = None  # train LoRA adapters instead of all weights; exported merged
     max_steps: int = Field(default=500, gt=0)
     batch_size_per_worker: int = Field(default=32, gt=0)  # rows per micro-batch
     checkpoint_every: int = Field(default=250, gt=0)
-    checkpoint_format: CheckpointFormat = "sharded"
     checkpoint_hf: bool = True  # also export a servable HF model into every checkpoint (always into the last)
     peak_tflops: float | None = None  # per device, for MFU; default: table of GPUs, measured on CPU
     experiment: str = "mlplat-sft"
@@ -64,8 +60,6 @@ class SFTConfig(RecipeConfig):
 
     @model_validator(mode="after")
     def _checks(self):
-        if self.parallel.strategy == "fsdp" and self.lora is not None:
-            raise ValueError("lora with parallel.strategy=fsdp is not supported yet: use parallel.strategy=ddp for LoRA")
         if self.profile and self.max_steps < (needed := self.profile.wait_steps + 1 + self.profile.steps):
             # the trace is written once the profiler's schedule completes
             raise ValueError(f"profile: wait_steps + 1 warm-up + steps = {needed} steps, more than max_steps={self.max_steps}: raise max_steps or lower profile.steps")
@@ -100,18 +94,15 @@ def _train(cfg: SFTConfig, env: WorkerEnv, health: RankHealth) -> None:
     # The data stream starts first, at the checkpoint's data position: its start-up overlaps building the model.
     collate = None if cfg.data.pack else PadCollate(tokenizer.pad_token_id)  # packed rows are fixed-length
     loader = train_shard(env, cfg.batch_size_per_worker, cfg.seed, collate)
-    model = load_model(cfg.model)
-    if cfg.lora:
-        model = apply_lora(model, cfg.lora)
-    model, optimizer, scheduler, state = trainable(model, cfg, env)
+    model, optimizer, scheduler, state = trainable(load_model(cfg.model), cfg, env)
     if env.restore_from and logger:
         logger.log_metrics({"restored_from_step": state.step}, step=state.step)
     timer = PhaseTimer(device)
-    meta = CheckpointMeta(base_model=cfg.model, lora=cfg.lora.model_dump() if cfg.lora else None, format=cfg.checkpoint_format)
+    meta = checkpoint_meta(cfg)
     window = _Window(collectives.world_size(), flops_per_token(unwrap(model), cfg.data.max_seq_len), peak_flops(device, cfg.peak_tflops))
     gauges = _Gauges(env.run_id, collectives.rank())
     profiler = StepProfiler(cfg.profile, device, logger) if cfg.profile and logger else None
-    bf16 = cfg.use_gpu and cfg.bf16
+    bf16, metrics = cfg.use_gpu and cfg.bf16, {}
     while state.step < cfg.max_steps:
         step_start = time.perf_counter()
         with timer.phase("data_wait"):
@@ -132,9 +123,9 @@ def _train(cfg: SFTConfig, env: WorkerEnv, health: RankHealth) -> None:
             if logger:
                 logger.log_metrics(metrics | (step_time_summary(window.total_phase_s, window.total_step_s) if last else {}), step=state.step)
             gauges.set(metrics, window.steps, window.skipped)
-            if state.step % cfg.checkpoint_every == 0 or last:
-                save(env, metrics, model, optimizer, scheduler, state, meta, tokenizer, export_hf=cfg.checkpoint_hf or last)
             window = window.next()
+        if state.step % cfg.checkpoint_every == 0 or state.step == cfg.max_steps:  # whatever log_every is
+            save(env, metrics, model, optimizer, scheduler, state, meta, tokenizer, export_hf=cfg.checkpoint_hf or state.step == cfg.max_steps)
         health.step_done()
     if profiler:
         profiler.close()

@@ -1,7 +1,10 @@
 """Row schemas per task. Each validator returns '' for a good row, else a one-line reason naming the field.
 
 - ``chat`` (SFT): ``messages`` (roles system/user/assistant/tool, at least one assistant
-  turn), optional ``tools`` (function specs, passed to the chat template).
+  turn), or ``prompt`` and ``completion`` (TRL's prompt-completion rows: each a string or a
+  list of messages; a string prompt is one user turn, a string completion one assistant
+  turn; loss on the completion only); optional ``tools`` (function specs, passed to the
+  chat template).
 - ``preference`` (reward model, DPO): ``prompt``, ``chosen``, ``rejected``, each a string
   or a list of messages; ``chosen``/``rejected`` lists hold the response turns.
 - ``rl_prompt`` (GRPO and friends): ``prompt`` (a string or a list of messages) or
@@ -74,12 +77,30 @@ def _has_assistant(messages: list[dict]) -> bool:
 
 
 def chat_error(row: Any) -> str:
-    if not isinstance(row, dict) or "messages" not in row:
-        return "missing field 'messages' (a list of {role, content})"
+    if not isinstance(row, dict) or not {"messages", "prompt", "completion"} & row.keys():
+        return "missing field 'messages' (a list of {role, content}), or 'prompt' and 'completion'"
+    if "messages" not in row:
+        return prompt_completion_error(row)
+    if "prompt" in row or "completion" in row:
+        return "both 'messages' and 'prompt'/'completion' given: keep one"
     if err := messages_error(row["messages"], "messages") or tools_error(row):
         return err
     if not _has_assistant(row["messages"]):
         return "no assistant message: nothing to learn from"
+    return ""
+
+
+def prompt_completion_error(row: dict) -> str:
+    """A ``prompt`` and the ``completion`` that answers it (TRL's prompt-completion format)."""
+    for field in ("prompt", "completion"):
+        if err := _text_or_messages_error(row, field):
+            return err
+    if err := tools_error(row):
+        return err
+    if isinstance(row["prompt"], list) and row["prompt"][-1]["role"] == "assistant":
+        return "prompt[-1] is an assistant message: a prompt ends with the turn the completion answers"
+    if isinstance(row["completion"], list) and row["completion"][0]["role"] != "assistant":
+        return "completion[0].role must be 'assistant': a completion starts with the assistant's answer"
     return ""
 
 

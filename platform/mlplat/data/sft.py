@@ -3,8 +3,9 @@
 Validation, rejects and mixing are ``mlplat.data.ingest`` (shared by every task): one
 streaming pass that keeps only the (rare) bad rows and per-source counts, then the
 lazy good rows. Tokenization is a second, lazy pass that the trainer drives through
-``get_dataset_shard``; labels only on assistant tokens, marked by the chat template's
-``{% generation %}`` blocks (the checkpoint's template, or ``chat_template`` instead).
+``get_dataset_shard``; labels only on assistant tokens (of the ``completion`` only, for
+prompt-completion rows), as the chat template renders them (the checkpoint's template, or
+``chat_template`` instead; see ``mlplat.data.chat``).
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from mlplat.data.ingest import (
     tokenize_rows,
 )
 from mlplat.data.packing import pack_dataset
+from mlplat.data.preference import tokenize_response
+from mlplat.data.schemas import as_messages
 
-__all__ = ["ChatTokenizer", "DataReport", "SFTDataConfig", "SourceReport", "prepare_sft_dataset"]
+__all__ = ["ChatTokenizer", "DataReport", "SFTDataConfig", "SourceReport", "prepare_sft_dataset", "tokenize_sft_row"]
 
 
 class SFTDataConfig(DataConfig):
@@ -36,7 +39,16 @@ class SFTDataConfig(DataConfig):
     tokenize_concurrency: int | None = Field(default=None, gt=0)  # tokenizer tasks at once; None: as many as the cluster has free CPUs
     pack: bool = False  # pack examples into max_seq_len rows (no cross-document attention or loss)
     pack_window_rows: int = 1024  # examples packed together (first-fit-decreasing) per window
-    chat_template: str | None = None  # Jinja string or .jinja file used instead of the checkpoint's
+    chat_template: str | None = None  # Jinja string, .jinja file or shipped name (qwen2.5, llama3) used instead of the checkpoint's
+
+
+def tokenize_sft_row(tokenizer, row: dict, max_seq_len: int) -> tuple[list[int], list[int]]:
+    """Token ids and labels of one valid chat row: ``messages`` (loss on every assistant turn), or
+    ``prompt`` + ``completion`` (loss on the completion's assistant turns only)."""
+    if "messages" in row:
+        return tokenize_chat(tokenizer, row["messages"], max_seq_len, tools=row.get("tools"))
+    prompt, completion = as_messages(row["prompt"], "user"), as_messages(row["completion"], "assistant")
+    return tokenize_response(tokenizer, prompt, completion, max_seq_len, tools=row.get("tools"))
 
 
 class ChatTokenizer:
@@ -49,8 +61,7 @@ class ChatTokenizer:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         input_ids, labels = [], []
         for line in batch["text"]:
-            row = json.loads(line)
-            ids, lab = tokenize_chat(self.tokenizer, row["messages"], self.max_seq_len, tools=row.get("tools"))
+            ids, lab = tokenize_sft_row(self.tokenizer, json.loads(line), self.max_seq_len)
             input_ids.append(np.asarray(ids, dtype=np.int64))
             labels.append(np.asarray(lab, dtype=np.int64))
         return {"input_ids": input_ids, "labels": labels}

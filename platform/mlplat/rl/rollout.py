@@ -78,17 +78,21 @@ def start_rollout_workers(model_dir: str, cfg: RolloutConfig) -> list:
 
 
 def sync_weights(policy, rollout_workers: list, rank: int, device: torch.device) -> None:
-    """Push the policy's full weights into every rollout actor in place; all ranks wait for it.
+    """Stream the policy's weights into every rollout actor in place, one decoder layer at a time; all
+    ranks wait for it.
 
-    One ``ray.put`` of the CPU state dict, read by every actor through the object store (a
-    collective broadcast replaces it where the actors hold GPUs in the trainers' group)."""
+    Each layer is gathered from the shards (every rank takes part under FSDP2), put in the object
+    store by rank 0 and loaded by every actor before the next: no full state dict on any rank, no
+    full copy in the object store (a 7B model's 15 GB in bf16). A collective broadcast replaces the
+    object store where the actors hold GPUs in the trainers' group."""
     from mlplat.train import collectives
-    from mlplat.train.parallel import full_state_dict
+    from mlplat.train.parallel import full_weights_by_layer
 
-    state = full_state_dict(policy)  # a gather under FSDP: every rank takes part
-    if rank == 0:
-        ref = ray.put({name: tensor.detach().cpu() for name, tensor in state.items()})
-        ray.get([worker.update_weights.remote(ref) for worker in rollout_workers])
+    for layer in full_weights_by_layer(policy):
+        if rank == 0 and layer:
+            ref = ray.put(layer)
+            ray.get([worker.update_weights.remote(ref) for worker in rollout_workers])
+            del ref
     collectives.barrier(device)  # no rank samples from the old weights
 
 

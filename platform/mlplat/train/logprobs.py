@@ -58,12 +58,13 @@ class TokenLogprobHead(torch.nn.Module):
         positions = (flat_targets != IGNORE_INDEX).nonzero().squeeze(-1)
         flat_hidden = hidden.reshape(-1, hidden.shape[-1])
         columns = 2 if self.request.entropy else 1
-        out = hidden.new_zeros(flat_targets.shape[0], columns, dtype=torch.float32)
+        out = hidden.new_zeros(*targets.shape, columns, dtype=torch.float32)  # not a view: FSDP2 hooks the root's outputs
+        flat_out = out.view(-1, columns)
         for chunk in positions.split(self.chunk_tokens):
             args = (flat_hidden[chunk], flat_targets[chunk], self.weight, self.bias, temperature, self.request.entropy)
             values = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk_logprobs(*args)
-            out = out.index_copy(0, chunk, values)
-        return out.view(*targets.shape, columns)
+            flat_out.index_copy_(0, chunk, values)
+        return out
 
 
 def _chunk_logprobs(hidden, targets, weight, bias, temperature: float, entropy: bool) -> torch.Tensor:

@@ -18,10 +18,11 @@ from mlplat.config import Config
 from mlplat.data.ingest import DataConfig
 from mlplat.data.loader import ShardLoader
 from mlplat.train import collectives
-from mlplat.train.checkpoint import CheckpointMeta, TrainState, load_checkpoint, read_train_state, save_checkpoint
+from mlplat.train.checkpoint import CheckpointFormat, CheckpointMeta, TrainState, load_checkpoint, read_train_state, save_checkpoint
 from mlplat.train.logprobs import TokenLogprobHead, install_logprob_head
+from mlplat.train.lora import LoRAConfig, apply_lora
 from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer
-from mlplat.train.parallel import ParallelConfig, parallelize
+from mlplat.train.parallel import ParallelConfig, parallelize, unwrap
 from mlplat.train.step import Objective, StepStats, train_step
 from mlplat.train.worker import WorkerEnv, checkpoint_directory
 
@@ -39,6 +40,9 @@ class RecipeConfig(Config):
     bf16: bool = True  # autocast to bf16 on GPU; CPU trains in fp32
     log_every: int = Field(default=10, gt=0)
     checkpoint_every: int = Field(default=100, gt=0)
+    checkpoint_format: CheckpointFormat = "sharded"  # DCP shards per rank; "consolidated": rank 0 gathers the full state
+    checkpoint_hf: bool = False  # also export a servable HF model into every checkpoint (always into the last)
+    lora: LoRAConfig | None = None  # train LoRA adapters instead of all weights (the reference is the base: adapters off); exported merged
     num_checkpoints_to_keep: int | None = 2
     checkpoint_score_metric: str | None = None  # e.g. "loss": keep the best by it instead of the latest
     checkpoint_score_order: Literal["min", "max"] = "min"
@@ -74,6 +78,8 @@ def trainable(model: torch.nn.Module, cfg: RecipeConfig, env: WorkerEnv):
     A causal LM gets the chunked log-prob head (``mlplat.train.logprobs``): its objectives never build
     full-vocabulary logits for the batch."""
     if _is_causal_lm(model):
+        if cfg.lora is not None:
+            model = apply_lora(model, cfg.lora)
         install_logprob_head(model)
     model = parallelize(model, cfg.parallel, env.device)
     optimizer = build_optimizer(model, cfg.optim)
@@ -89,11 +95,36 @@ def _is_causal_lm(model: torch.nn.Module) -> bool:
     return isinstance(getattr(model, "get_output_embeddings", lambda: None)(), torch.nn.Linear | TokenLogprobHead)
 
 
-def frozen_reference(path: str, device: torch.device) -> torch.nn.Module:
-    """The reference policy: the checkpoint at ``path``, frozen, in eval mode, with the chunked log-prob head."""
+def frozen_reference(cfg: RecipeConfig, env: WorkerEnv, policy: torch.nn.Module) -> torch.nn.Module:
+    """The reference policy for a KL term or DPO: with LoRA, the policy itself with its adapters disabled
+    (the base model, no second copy); otherwise the checkpoint frozen, sharded like the policy under
+    FSDP2 (each rank holds 1/world of it), with the chunked log-prob head."""
+    if cfg.lora is not None:
+        return AdaptersDisabled(policy)
     from mlplat.models import load_model
 
-    return install_logprob_head(load_model(path, device=device)).eval().requires_grad_(False)
+    reference = install_logprob_head(load_model(cfg.model)).eval().requires_grad_(False)
+    if cfg.parallel.strategy == "fsdp":
+        return parallelize(reference, cfg.parallel.model_copy(update={"activation_checkpointing": False}), env.device)
+    return reference.to(env.device)  # DDP: a frozen model needs no wrapper, only a replica
+
+
+class AdaptersDisabled:
+    """A LoRA policy seen with its adapters off: the base model's outputs from the same weights."""
+
+    def __init__(self, policy: torch.nn.Module):
+        self.policy = policy
+
+    def __call__(self, *args, **kwargs):
+        with unwrap(self.policy).disable_adapter():
+            return self.policy(*args, **kwargs)
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return unwrap(self.policy).get_output_embeddings()
+
+
+def checkpoint_meta(cfg: RecipeConfig) -> CheckpointMeta:
+    return CheckpointMeta(base_model=cfg.model, lora=cfg.lora.model_dump() if cfg.lora else None, format=cfg.checkpoint_format)
 
 
 def save(env: WorkerEnv, metrics: dict, model, optimizer, scheduler, state: TrainState, meta: CheckpointMeta, tokenizer, export_hf: bool = True) -> None:
@@ -139,7 +170,6 @@ def run_steps(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     state: TrainState,
     objective: Objective,
-    meta: CheckpointMeta,
     tokenizer,
     final_metrics: Callable[[], dict[str, float]] | None = None,
 ) -> None:
@@ -148,7 +178,7 @@ def run_steps(
     GPU, the non-finite guard, a metric window logged every ``log_every`` steps (with ``final_metrics()``
     added on the last; every rank calls it) and a checkpoint every ``checkpoint_every`` steps and on the
     last, whatever the log cadence."""
-    window, metrics = MetricWindow(env.device), {}
+    window, metrics, meta = MetricWindow(env.device), {}, checkpoint_meta(cfg)
     while state.step < cfg.max_steps:
         micro_batches = next_micro_batches(loader, cfg, env.device)
         stats = train_step(model, micro_batches, optimizer, scheduler, cfg.optim.grad_clip, cfg.use_gpu and cfg.bf16, objective=objective)
@@ -164,7 +194,7 @@ def run_steps(
             if env.logger:
                 env.logger.log_metrics(metrics, step=state.step)
         if state.step % cfg.checkpoint_every == 0 or last:
-            save(env, metrics, model, optimizer, scheduler, state, meta, tokenizer)
+            save(env, metrics, model, optimizer, scheduler, state, meta, tokenizer, export_hf=cfg.checkpoint_hf or last)
 
 
 class MetricWindow:

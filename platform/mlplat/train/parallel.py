@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import re
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -26,6 +28,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from mlplat.config import Config
@@ -171,6 +174,34 @@ def _single_process_is_intended():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
+
+
+def full_weights_by_layer(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """The whole model as plain CPU tensors under HF names, one decoder layer at a time, then the rest.
+
+    For streaming weights to inference engines without a full copy anywhere: rank 0 gets each
+    layer's tensors (LoRA adapters merged into their base weights), other ranks an empty dict per
+    layer. Collective under FSDP2 (one all-gather per tensor): every rank iterates it to the end.
+    """
+    from mlplat.train.lora import is_lora, lora_scaling, merge_lora_state_dict
+
+    module, rank = unwrap(model), collectives.rank()
+    state = module.state_dict()  # under FSDP2: this rank's shards, nothing gathered yet
+    groups: dict[str, list[str]] = {}
+    for key in state:
+        layer = _LAYER_KEY.match(key)
+        groups.setdefault(layer.group(0) if layer else "", []).append(key)
+    scaling = lora_scaling(module) if is_lora(module) else None
+    for prefix in sorted(groups, key=lambda p: (p == "", int(_LAYER_KEY.match(p).group(1)) if p else 0)):
+        bucket = {}
+        for key in groups[prefix]:
+            tensor = state[key].full_tensor() if isinstance(state[key], DTensor) else state[key]
+            if rank == 0:
+                bucket[key] = tensor.detach().to("cpu", copy=True)
+        yield merge_lora_state_dict(bucket, scaling) if scaling is not None and bucket else bucket
+
+
+_LAYER_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.")
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
