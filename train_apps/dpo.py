@@ -128,7 +128,7 @@ def dpo_loop(cfg: DPOConfig, env: WorkerEnv) -> None:
     def final_metrics() -> dict[str, float]:
         return {**margins("eval"), "data/truncated_pairs": objective.truncated.total(env.device)}
 
-    run_steps(cfg, env, loader, policy, optimizer, scheduler, state, objective, tokenizer, final_metrics)
+    run_steps(cfg, env, loader, policy, optimizer, scheduler, state, objective, tokenizer, "dpo", final_metrics)
 
 
 def _prefixed(margins: HeldOutMargins, prefix: str) -> dict[str, float]:

@@ -89,7 +89,7 @@ def reward_model_loop(cfg: RewardModelConfig, env: WorkerEnv) -> None:
         held_out = {"eval/accuracy": pairwise_accuracy(unwrap(model), tokenizer, cfg.eval_data, cfg.data.max_seq_len, env.device)} if cfg.eval_data else {}
         return {**held_out, "data/truncated_pairs": objective.truncated.total(env.device)}
 
-    run_steps(cfg, env, loader, model, optimizer, scheduler, state, objective, tokenizer, final_metrics)
+    run_steps(cfg, env, loader, model, optimizer, scheduler, state, objective, tokenizer, "reward_model", final_metrics)
 
 
 @torch.no_grad()

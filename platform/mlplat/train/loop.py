@@ -7,22 +7,27 @@ objective (reward model, DPO), the whole loop (``run_steps``). Nothing here need
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from mlplat.config import Config
 from mlplat.data.ingest import DataConfig
 from mlplat.data.loader import ShardLoader
+from mlplat.health.training import FaultInjection, RankHealth, TrainingHealthConfig
+from mlplat.observability import catalogue
+from mlplat.observability.profiling import ProfileConfig, StepProfiler, step_time_summary
 from mlplat.train import collectives
 from mlplat.train.checkpoint import CheckpointFormat, CheckpointMeta, TrainState, load_checkpoint, read_train_state, save_checkpoint
 from mlplat.train.logprobs import TokenLogprobHead, install_logprob_head
 from mlplat.train.lora import LoRAConfig, apply_lora
 from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer
 from mlplat.train.parallel import ParallelConfig, parallelize, unwrap
+from mlplat.train.perf import PhaseTimer, flops_per_token, peak_flops
 from mlplat.train.step import Objective, StepStats, train_step
 from mlplat.train.worker import WorkerEnv, checkpoint_directory
 
@@ -50,12 +55,23 @@ class RecipeConfig(Config):
     deterministic_data: bool = True  # same batches in the same order on every run: exact resume (see mlplat.data.loader)
     max_bad_steps_in_row: int = Field(default=5, gt=0)  # non-finite loss/grad norm: skip the step; abort after this many in a row
     max_failures: int = Field(default=0, ge=-1)  # restarts from the last checkpoint after a worker dies (-1: unlimited)
+    health: TrainingHealthConfig = TrainingHealthConfig()  # straggler and hang detection; accepted nodes only (mlplat.health)
+    debug: FaultInjection = FaultInjection()  # test hooks: a slow or a hung rank, to exercise the detectors
+    profile: ProfileConfig | None = None  # torch profiler trace of a few steps on rank 0 -> MLflow (mlplat.observability)
+    peak_tflops: float | None = None  # per device, for MFU; default: the GPU's datasheet figure, measured once on CPU
     seed: int = 0
     storage_path: str = "outputs/ray_train"
     experiment: str = "mlplat-posttrain"
     run_name: str | None = None
     registered_model: str | None = None  # None: log the model but do not register it
     registered_alias: str | None = "candidate"
+
+    @model_validator(mode="after")
+    def _profile_fits(self):
+        if self.profile and self.max_steps < (needed := self.profile.wait_steps + 1 + self.profile.steps):
+            # the trace is written once the profiler's schedule completes
+            raise ValueError(f"profile: wait_steps + 1 warm-up + steps = {needed} steps, more than max_steps={self.max_steps}: raise max_steps or lower profile.steps")
+        return self
 
 
 def worker_setup(cfg: RecipeConfig) -> None:
@@ -171,30 +187,157 @@ def run_steps(
     state: TrainState,
     objective: Objective,
     tokenizer,
+    recipe: str,
     final_metrics: Callable[[], dict[str, float]] | None = None,
 ) -> None:
-    """The optimizer loop a recipe with a fixed objective runs from ``state.step`` to ``max_steps``:
-    micro-batched steps (``grad_accum_steps``) with the exact mean over the global batch, bf16 autocast on
-    GPU, the non-finite guard, a metric window logged every ``log_every`` steps (with ``final_metrics()``
-    added on the last; every rank calls it) and a checkpoint every ``checkpoint_every`` steps and on the
-    last, whatever the log cadence."""
-    window, metrics, meta = MetricWindow(env.device), {}, checkpoint_meta(cfg)
+    """The optimizer loop of a recipe with a fixed objective (SFT, reward model, DPO), from ``state.step``
+    to ``max_steps``: micro-batched steps (``grad_accum_steps``) with the exact mean over the global
+    batch, bf16 autocast on GPU, the non-finite guard, straggler and hang checks (``health``), an
+    optional profiler trace, a metric window logged every ``log_every`` steps to MLflow and Prometheus
+    (with ``final_metrics()`` added on the last; every rank calls it), and a checkpoint every
+    ``checkpoint_every`` steps and on the last, whatever the log cadence."""
+    health = RankHealth(cfg.health, cfg.debug, env)
+    try:
+        _run_steps(cfg, env, loader, model, optimizer, scheduler, state, objective, tokenizer, recipe, final_metrics, health)
+    finally:
+        health.close()
+
+
+def _run_steps(cfg, env, loader, model, optimizer, scheduler, state, objective, tokenizer, recipe, final_metrics, health) -> None:
+    device, logger, meta = env.device, env.logger, checkpoint_meta(cfg)
+    if env.restore_from and logger:
+        logger.log_metrics({"restored_from_step": state.step}, step=state.step)
+    timer = PhaseTimer(device)
+    flops = flops_per_token(unwrap(model), getattr(cfg.data, "max_seq_len", 1024)) if _is_causal_lm(unwrap(model)) else None
+    peak = peak_flops(device, cfg.peak_tflops) if flops and (cfg.peak_tflops or device.type == "cuda") else None
+    window = StepWindow(collectives.world_size(), flops, peak)
+    gauges = TrainGauges(recipe, env.run_id, collectives.rank())
+    profiler = StepProfiler(cfg.profile, device, logger) if cfg.profile and logger else None
+    metrics: dict[str, float] = {}
     while state.step < cfg.max_steps:
-        micro_batches = next_micro_batches(loader, cfg, env.device)
-        stats = train_step(model, micro_batches, optimizer, scheduler, cfg.optim.grad_clip, cfg.use_gpu and cfg.bf16, objective=objective)
+        step_start = time.perf_counter()
+        with timer.phase("data_wait"):
+            health.inject_faults(state.step + 1)
+            micro_batches = next_micro_batches(loader, cfg, device)
+        stats = train_step(model, micro_batches, optimizer, scheduler, cfg.optim.grad_clip, cfg.use_gpu and cfg.bf16, timer, objective)
         state.data = loader.position.model_copy()
         record_step(state, stats, cfg.max_bad_steps_in_row)
-        if not stats.skipped:
-            window.add({"loss": stats.loss, "grad_norm": stats.grad_norm, **stats.metrics})
+        window.add(stats, time.perf_counter() - step_start, timer.reset())
+        if profiler:
+            profiler.step()
+        if state.step == 1:
+            window.time_to_first_step_s = time.time() - env.start_time
         last = state.step == cfg.max_steps
         if state.step % cfg.log_every == 0 or last:
-            metrics = {**window.pop(), "lr": scheduler.get_last_lr()[0], "skipped_steps": state.skipped_steps}
+            metrics = {"lr": scheduler.get_last_lr()[0], "skipped_steps": state.skipped_steps, "epoch": state.data.epoch, **window.metrics()}
+            metrics |= health.end_window(metrics)  # per-rank local step times compared; may stop a job with a straggler
             if last and final_metrics:
-                metrics.update(final_metrics())
-            if env.logger:
-                env.logger.log_metrics(metrics, step=state.step)
+                metrics |= final_metrics()
+            if logger:
+                logger.log_metrics(metrics | (step_time_summary(window.total_phase_s, window.total_step_s) if last else {}), step=state.step)
+            gauges.set(metrics, window.steps, window.skipped)
+            window = window.next()
         if state.step % cfg.checkpoint_every == 0 or last:
             save(env, metrics, model, optimizer, scheduler, state, meta, tokenizer, export_hf=cfg.checkpoint_hf or last)
+        health.step_done()
+    if profiler:
+        profiler.close()
+
+
+class StepWindow:
+    """A log window's figures from each step's global statistics and this rank's timings, plus whole-run totals.
+
+    The loss and the objective's statistics are means per unit over the window's global batches; times
+    are this rank's (the health checks compare them across ranks)."""
+
+    PHASES = ("data_wait", "forward", "backward", "optimizer", "comm")
+
+    def __init__(self, world_size: int, flops_per_token: float | None, peak_flops: float | None):
+        self.world_size, self.flops_per_token, self.peak_flops = world_size, flops_per_token, peak_flops
+        self.total_wait_s = self.total_step_s = 0.0
+        self.total_tokens = 0
+        self.total_phase_s = dict.fromkeys(self.PHASES, 0.0)  # whole run, for the step-time summary
+        self.time_to_first_step_s: float | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.steps = self.units = self.tokens = self.slots = self.skipped = 0
+        self.loss_sum = self.grad_norm_sum = self.step_s = 0.0
+        self.stat_sums: dict[str, float] = {}
+        self.phase_s = dict.fromkeys(self.PHASES, 0.0)
+
+    def next(self) -> StepWindow:
+        self._reset()
+        return self
+
+    def add(self, stats: StepStats, step_s: float, phase_s: dict[str, float]) -> None:
+        self.steps += 1
+        self.skipped += int(stats.skipped)
+        if not stats.skipped:
+            self.loss_sum += stats.loss * stats.units
+            self.units += stats.units
+            self.grad_norm_sum += stats.grad_norm
+            for name, mean in stats.metrics.items():
+                self.stat_sums[name] = self.stat_sums.get(name, 0.0) + mean * stats.units
+        self.tokens += stats.tokens
+        self.slots += stats.slots
+        self.total_tokens += stats.tokens
+        self.step_s += step_s
+        for name, seconds in phase_s.items():
+            self.phase_s[name] += seconds
+            self.total_phase_s[name] = self.total_phase_s.get(name, 0.0) + seconds
+        self.total_wait_s += phase_s.get("data_wait", 0.0)
+        self.total_step_s += step_s
+
+    def metrics(self) -> dict[str, float]:
+        tokens_per_s = self.tokens / self.step_s
+        per_worker = tokens_per_s / self.world_size
+        applied = max(1, self.steps - self.skipped)
+        metrics = {
+            "loss": self.loss_sum / max(1, self.units),
+            **{name: total / max(1, self.units) for name, total in self.stat_sums.items()},
+            "grad_norm": self.grad_norm_sum / applied,
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_worker": per_worker,
+            "time/step_s": self.step_s / self.steps,
+            **{f"time/{name}_s": seconds / self.steps for name, seconds in self.phase_s.items()},
+            "data_wait_fraction": self.phase_s["data_wait"] / self.step_s,
+            "data/packing_efficiency": self.tokens / max(1, self.slots),  # non-pad / all token positions
+            "data/tokens": self.total_tokens,  # produced by the pipeline and trained on, all ranks
+            "run/data_wait_s": self.total_wait_s,
+            "run/step_s": self.total_step_s,
+        }
+        if self.flops_per_token and self.peak_flops:
+            metrics["mfu"] = per_worker * self.flops_per_token / self.peak_flops
+        if self.time_to_first_step_s is not None:
+            metrics["time_to_first_step_s"] = self.time_to_first_step_s
+        return metrics
+
+
+class TrainGauges:
+    """The log window's figures as Prometheus metrics (mlplat.observability.catalogue); rank 0 reports the job's."""
+
+    def __init__(self, recipe: str, run_id: str, rank: int):
+        self.job = {"recipe": recipe, "run_id": run_id}
+        self.rank = {**self.job, "rank": str(rank)}
+        self.is_rank0 = rank == 0
+
+    def set(self, metrics: dict[str, float], steps: int, skipped: int) -> None:
+        m = catalogue
+        m.TRAIN_STEP_SECONDS.set(metrics["time/step_s"], **self.rank)
+        m.TRAIN_DATA_WAIT_FRACTION.set(metrics["data_wait_fraction"], **self.rank)
+        for name in StepWindow.PHASES:
+            m.TRAIN_STEP_PHASE_SECONDS.set(metrics[f"time/{name}_s"], phase=name, **self.rank)
+        if not self.is_rank0:
+            return
+        m.TRAIN_LOSS.set(metrics["loss"], **self.job)
+        m.TRAIN_GRAD_NORM.set(metrics["grad_norm"], **self.job)
+        m.TRAIN_LR.set(metrics["lr"], **self.job)
+        m.TRAIN_TOKENS_PER_S.set(metrics["tokens_per_s"], **self.job)
+        if "mfu" in metrics:
+            m.TRAIN_MFU.set(metrics["mfu"], **self.job)
+        m.TRAIN_STEPS.inc(steps, **self.job)
+        m.TRAIN_SKIPPED_STEPS.inc(skipped, **self.job)
 
 
 class MetricWindow:

@@ -29,12 +29,15 @@ from ray.train.torch import TorchTrainer
 from mlplat.config import to_flat_params
 from mlplat.data.ingest import DataReport, check_sources
 from mlplat.errors import CheckpointError, ConfigError
+from mlplat.health.marking import accepted_worker_resources
+from mlplat.observability import catalogue
 from mlplat.runtime import init_ray
 from mlplat.tracking import ModelRef, RunLogger, register_model_dir, resolve_model, start_run
 from mlplat.tracking.runs import default_tracking_uri
 from mlplat.train.checkpoint import MODEL_DIR, TRAIN_STATE, read_train_state
 from mlplat.train.data_workers import warm_data_workers
 from mlplat.train.loop import RecipeConfig
+from mlplat.train.perf import measure_cpu_peak_flops
 
 
 def fit_and_release(trainer: TorchTrainer) -> ray.train.Result:
@@ -120,9 +123,14 @@ class RecipeRun:
         if cfg.resume_from:
             self.cfg = cfg = cfg.model_copy(update={"resume_from": check_resume_from(cfg.resume_from, cfg.max_steps)})
         check_sources(cfg.data)  # before a cluster or an MLflow run is started
+        if not cfg.peak_tflops and not cfg.use_gpu:
+            # MFU's CPU peak, measured before Ray and the data pipeline start, on one worker's threads (Ray gives each one CPU)
+            self.cfg = cfg = cfg.model_copy(update={"peak_tflops": measure_cpu_peak_flops(threads=1) / 1e12})
         self.model_dir = resolve_model(cfg.model, download_dir=self.work_dir / "downloads", tracking_uri=self.tracking_uri)
         init_ray(num_training_workers=cfg.num_workers)
         tags = {"mlplat.recipe": recipe, "mlplat.base_model": cfg.model, "mlplat.resumed_from": cfg.resume_from or "", **(tags or {})}
+        if cfg.peak_tflops:
+            tags["mlplat.mfu.peak_tflops_per_worker"] = f"{cfg.peak_tflops:.4g}"
         if commit := git_commit():
             tags["mlflow.source.git.commit"] = commit
         self.run_id = start_run(cfg.experiment, cfg.run_name, params=to_flat_params(cfg), tags=tags, tracking_uri=self.tracking_uri)
@@ -140,15 +148,22 @@ class RecipeRun:
 
     def log_data_report(self, report: DataReport) -> None:
         self.logger.set_tags({"mlplat.data.fingerprint": report.fingerprint})
-        self.logger.log_metrics({"data.rows_read": report.rows_read, "data.bad_rows": report.bad_rows})
+        self.logger.log_metrics({
+            "data.rows_read": report.rows_read, "data.bad_rows": report.bad_rows, "data.rows_used": report.rows_used,
+            **{f"data.source{i}.rows_used": s.rows_used for i, s in enumerate(report.sources)},
+        })  # fmt: skip
+        for reason, rows in report.bad_rows_by_reason.items():
+            catalogue.TRAIN_REJECTED_ROWS.inc(rows, recipe=self.recipe, run_id=self.run_id, reason=reason[:80])
 
     def loop_cfg(self) -> RecipeConfig:
         """The config the workers' loop gets: the model resolved to a local directory."""
         return self.cfg.model_copy(update={"model": str(self.model_dir)})
 
-    def fit(self, loop: Callable, datasets: dict, extra: dict | None = None, resources_per_worker: dict | None = None) -> ray.train.Result:
-        """Run ``loop(cfg, env, **extra)`` on ``num_workers`` Ray Train workers over ``datasets``."""
+    def fit(self, loop: Callable, datasets: dict, extra: dict | None = None) -> ray.train.Result:
+        """Run ``loop(cfg, env, **extra)`` on ``num_workers`` Ray Train workers over ``datasets`` (only on nodes
+        that passed ``mlplat health check`` with ``health.accepted_nodes_only``)."""
         cfg = self.cfg
+        resources_per_worker = accepted_worker_resources(cfg.use_gpu) if cfg.health.accepted_nodes_only else None
         storage = str(Path(cfg.storage_path).resolve()) if "://" not in cfg.storage_path else cfg.storage_path
         config = {
             "cfg": self.loop_cfg().model_dump(mode="json"),
