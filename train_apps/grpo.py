@@ -47,6 +47,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from mlplat.data.ingest import DataConfig
 from mlplat.data.rl_prompts import prepare_rl_prompt_dataset, prompt_messages
 from mlplat.evaluation import read_eval_rows
+from mlplat.health.training import RankHealth
 from mlplat.models import load_model, load_tokenizer
 from mlplat.observability import catalogue as oc
 from mlplat.rl.experience import RowsCollate, batch_moments, completion_mask, micro_batches, rollout_batch, score_completions
@@ -177,6 +178,14 @@ class GRPOObjective:
 
 def grpo_loop(cfg: GRPOConfig, env: WorkerEnv, rollout_workers: list, reward_scorers: dict | None = None) -> None:
     """Every rank's loop (mlplat.train.worker), sampling from its rollout actor."""
+    health = RankHealth(cfg.health, cfg.debug, env, "grpo")
+    try:
+        _train(cfg, env, rollout_workers, reward_scorers, health)
+    finally:
+        health.close()
+
+
+def _train(cfg: GRPOConfig, env: WorkerEnv, rollout_workers: list, reward_scorers: dict | None, health: RankHealth) -> None:
     worker_setup(cfg)
     rank, world_size, device, logger = collectives.rank(), collectives.world_size(), env.device, env.logger
     tokenizer = load_tokenizer(cfg.model)
@@ -196,9 +205,12 @@ def grpo_loop(cfg: GRPOConfig, env: WorkerEnv, rollout_workers: list, reward_sco
         logger.log_metrics({"eval/exact_match_before": held_out_exact_match(my_rollout, eval_rows, cfg.max_completion_length)}, step=0)
     objective, moments = GRPOObjective(cfg), batch_moments(device)
     window, max_logprob_diff = MetricWindow(device, maxima=("rollout/logprob_diff_max", "run/logprob_diff_max")), 0.0
+    own_work_s: list[float] = []  # per rollout: this rank's scoring and training, what the straggler check compares
 
     while state.step < cfg.max_steps:
-        step_before, rows = state.step, loader.next()
+        step_before = state.step
+        health.inject_faults(state.step + 1)
+        rows = loader.next()
         start = time.perf_counter()
         samples = ray.get(my_rollout.generate.remote([prompt_messages(r) for r in rows], {**sampling, "seed": cfg.seed + 1000 * state.step + rank}))
         rollout_s = time.perf_counter() - start
@@ -232,6 +244,7 @@ def grpo_loop(cfg: GRPOConfig, env: WorkerEnv, rollout_workers: list, reward_sco
                 if not stats.skipped:
                     step_stats.append({"loss": stats.loss, "grad_norm": stats.grad_norm, **stats.metrics})
         train_s = time.perf_counter() - start
+        own_work_s.append(score_s + train_s)
 
         start = time.perf_counter()
         sync_weights(policy, rollout_workers, rank, device)
@@ -255,6 +268,8 @@ def grpo_loop(cfg: GRPOConfig, env: WorkerEnv, rollout_workers: list, reward_sco
         if last or crossed(step_before, state.step, cfg.log_every):
             metrics = {**window.pop(), "lr": scheduler.get_last_lr()[0], "skipped_steps": state.skipped_steps}
             metrics["rollout/tokens_per_s"] *= world_size  # every rank's rollouts together
+            metrics |= health.end_window(metrics, local_s=sum(own_work_s) / len(own_work_s))  # this rank's, not the window's mean
+            own_work_s = []
             if last and eval_rows:
                 metrics["eval/exact_match"] = held_out_exact_match(my_rollout, eval_rows, cfg.max_completion_length)
             if logger:
@@ -262,6 +277,7 @@ def grpo_loop(cfg: GRPOConfig, env: WorkerEnv, rollout_workers: list, reward_sco
                 export_metrics(metrics, env.run_id)
         if last or crossed(step_before, state.step, cfg.checkpoint_every):
             save(env, {"step": state.step}, policy, optimizer, scheduler, state, meta, tokenizer, export_hf=cfg.checkpoint_hf or last)
+        health.step_done()
 
 
 def export_metrics(metrics: dict[str, float], run_id: str) -> None:

@@ -2,7 +2,7 @@
 
 In the loop, per rank (``env``: the loop's mlplat.train.worker.WorkerEnv)::
 
-    health = RankHealth(cfg.health, cfg.debug, env)
+    health = RankHealth(cfg.health, cfg.debug, env, recipe)
     every step:        health.inject_faults(step)   (inside the data-wait phase; no-op unless cfg.debug says so)
                        ... the step ...
                        health.step_done()
@@ -57,8 +57,9 @@ class FaultInjection(Config):
 class RankHealth:
     """One rank's straggler detector and hang watchdog; rank 0 reports to MLflow, Prometheus and the log."""
 
-    def __init__(self, cfg: TrainingHealthConfig, debug: FaultInjection, env: WorkerEnv):
+    def __init__(self, cfg: TrainingHealthConfig, debug: FaultInjection, env: WorkerEnv, recipe: str = "sft"):
         self.cfg, self.debug, self.env, self.device, self.logger = cfg, debug, env, env.device, env.logger
+        self.recipe = recipe
         self.run_id = env.run_id
         self.rank, self.world_size = collectives.rank(), collectives.world_size()
         self.first_attempt = not env.restarted  # a restart after a failure restores this run's latest checkpoint
@@ -81,16 +82,20 @@ class RankHealth:
         if self.watchdog:
             self.watchdog.beat()
 
-    def end_window(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Compare this window's local step times across ranks (a collective: call on every rank); metrics for rank 0 to log."""
+    def end_window(self, metrics: dict[str, float], local_s: float | None = None) -> dict[str, float]:
+        """Compare this window's local step times across ranks (a collective: call on every rank); metrics for rank 0 to log.
+
+        ``local_s``: this rank's own seconds per step, where the step's phases are not the optimizer loop's
+        (an RL step's scoring and training, not its wait for the rollout actors)."""
         if not self.cfg.straggler.enabled or self.world_size == 1:
             return {}
-        local = torch.tensor([sum(metrics[f"time/{p}_s"] for p in LOCAL_PHASES)], dtype=torch.float64)
+        local_s = sum(metrics[f"time/{p}_s"] for p in LOCAL_PHASES) if local_s is None else local_s
+        local = torch.tensor([local_s], dtype=torch.float64)
         seconds = [float(t) for t in collectives.all_gather(local, self.device)]
         verdict = self.detector.observe(seconds)  # the same on every rank: all of them stop together, or none
         if self.rank == 0:
             for rank, slowdown in enumerate(verdict.slowdowns):
-                TRAIN_RANK_SLOWDOWN.set(slowdown, recipe="sft", run_id=self.run_id, rank=str(rank), node=self.nodes[rank]["node_id"])
+                TRAIN_RANK_SLOWDOWN.set(slowdown, recipe=self.recipe, run_id=self.run_id, rank=str(rank), node=self.nodes[rank]["node_id"])
             for rank in verdict.newly_flagged:
                 self._report_straggler(rank, verdict.slowdowns[rank], seconds)
         if verdict.flagged and self.cfg.straggler.action == "stop":

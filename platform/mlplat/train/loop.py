@@ -196,7 +196,7 @@ def run_steps(
     optional profiler trace, a metric window logged every ``log_every`` steps to MLflow and Prometheus
     (with ``final_metrics()`` added on the last; every rank calls it), and a checkpoint every
     ``checkpoint_every`` steps and on the last, whatever the log cadence."""
-    health = RankHealth(cfg.health, cfg.debug, env)
+    health = RankHealth(cfg.health, cfg.debug, env, recipe)
     try:
         _run_steps(cfg, env, loader, model, optimizer, scheduler, state, objective, tokenizer, recipe, final_metrics, health)
     finally:
