@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import random
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -97,6 +99,24 @@ def hf_rollouts(model, tokenizer, conversations: list[list[dict]], group_size: i
     return int(completion.sum())
 
 
+def compare_rollouts(model_dir: str, conversations, group_size: int, prompts: int, max_len: int, runs: int, big: bool) -> dict:
+    """Both rollout backends on the same prompts, lengths drawn and equal: seconds and tokens of each."""
+    from mlplat.models import load_model, load_tokenizer
+    from mlplat.rl.rollout import RolloutWorker
+
+    torch.set_num_threads(1)
+    engine = RolloutWorker(model_dir, {"kv_cache_memory_gb": 0.25})
+    hf_model, tokenizer = load_model(model_dir).eval(), load_tokenizer(model_dir)
+    measured = {}
+    for name, equal in (("drawn", False), ("equal", True)):
+        lengths = completion_lengths(prompts, max_len, equal)
+        engine_s, engine_tokens = best_of(runs, lambda: engine_rollouts(engine, conversations, group_size, lengths, seed=0))  # noqa: B023
+        hf_s, hf_tokens = best_of(runs, lambda: hf_rollouts(hf_model, tokenizer, conversations, group_size, lengths, seed=0))  # noqa: B023
+        assert engine_tokens == hf_tokens == group_size * sum(lengths)
+        measured[name] = {"lengths": lengths, "tokens": engine_tokens, "engine_s": engine_s, "hf_s": hf_s}
+    return measured
+
+
 def best_of(runs: int, fn) -> tuple[float, int]:
     best, tokens = float("inf"), 0
     for _ in range(runs):
@@ -118,9 +138,8 @@ def main() -> None:
 
     from mlplat.data.demo import DemoDataConfig, tokenizer_corpus, write_demo_data
     from mlplat.data.ingest import DataConfig
-    from mlplat.models import TinyModelConfig, build_tiny_model, load_model, load_tokenizer
+    from mlplat.models import TinyModelConfig, build_tiny_model
     from mlplat.models.shapes import SHAPES, build_random_model
-    from mlplat.rl.rollout import RolloutWorker
     from train_apps.grpo import GRPOConfig, run_grpo
 
     torch.set_num_threads(1)
@@ -138,17 +157,11 @@ def main() -> None:
     with open(data.rl_prompts) as f:
         conversations = [json.loads(line)["messages"] for line in f][:prompts]
 
-    engine = RolloutWorker(str(model_dir), {"kv_cache_memory_gb": 1.0 if big else 0.25})
-    hf_model, tokenizer = load_model(model_dir).eval(), load_tokenizer(model_dir)
-    ratios, measured = {}, {}
-    for name, equal in (("drawn", False), ("equal", True)):
-        lengths = completion_lengths(prompts, max_len, equal)
-        engine_s, engine_tokens = best_of(runs, lambda: engine_rollouts(engine, conversations, group_size, lengths, seed=0))  # noqa: B023
-        hf_s, hf_tokens = best_of(runs, lambda: hf_rollouts(hf_model, tokenizer, conversations, group_size, lengths, seed=0))  # noqa: B023
-        assert engine_tokens == hf_tokens == group_size * sum(lengths)
-        ratios[name] = hf_s / engine_s
-        measured[name] = {"lengths": lengths, "tokens": engine_tokens, "engine_s": engine_s, "hf_s": hf_s}
-    engine = hf_model = None  # the driver's copies go before the recipe's workers load theirs
+    # In a process of its own: its two copies of the weights are gone before the recipe's workers load theirs.
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        measured = pool.submit(compare_rollouts, str(model_dir), conversations, group_size, prompts, max_len, runs, big).result()
+    ratios = {name: m["hf_s"] / m["engine_s"] for name, m in measured.items()}
+    print(f"rollout_throughput_ratio: {ratios['drawn']:.2f} (lengths drawn), {ratios['equal']:.2f} (equal lengths)", flush=True)
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     steps, log_every = (2, 1) if big else (6, 3) if args.quick else (20, 5)
@@ -157,7 +170,7 @@ def main() -> None:
         num_workers=2, batch_size_per_worker=prompts // 2 * group_size, num_generations=group_size, max_completion_length=max_len,
         storage_path=str(work / "ray_train"), registered_model=None,
         parallel={"strategy": "fsdp" if big else "ddp"},  # 0.5B in fp32 with AdamW: sharded over the 2 workers to fit beside the engine
-        rollout={"kv_cache_memory_gb": 1.0 if big else 0.25},
+        rollout={"kv_cache_memory_gb": 0.25},
     )  # fmt: skip
     tracking_uri = f"sqlite:///{work / 'mlflow.db'}"
     result = run_grpo(cfg, tracking_uri=tracking_uri, work_dir=work / "outputs")

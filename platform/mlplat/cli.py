@@ -15,6 +15,7 @@ RECIPES = {
     "reward_model": ("reward model on preference pairs, Bradley-Terry (train_apps/reward_model.py)", "RewardModelConfig", "run_reward_model"),
     "dpo": ("direct preference optimization against a frozen reference (train_apps/dpo.py)", "DPOConfig", "run_dpo"),
     "grpo": ("GRPO with rollout actors on the native engine (train_apps/grpo.py)", "GRPOConfig", "run_grpo"),
+    "ppo": ("PPO with a critic and rollout actors on the native engine (train_apps/ppo.py)", "PPOConfig", "run_ppo"),
 }
 
 

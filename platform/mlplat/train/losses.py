@@ -7,6 +7,8 @@
 - ``clipped_surrogate`` + ``k3_kl``: the PPO clipped policy gradient (with DAPO's clip-higher) and
   the k3 KL to a reference model (Schulman 2020), per token; ``token_loss_units`` and
   ``summed_token_loss`` average them over completions, tokens or micro-batches by TRL's ``loss_type``.
+- ``kl_penalised_rewards``, ``gae``, ``masked_whiten``, ``clipped_value_loss``: PPO with a critic (TRL's PPOTrainer):
+  per-token rewards, generalised advantage estimation and the clipped value loss.
 
 Every loss here is summed over its units (pairs, completions, tokens): a step sums and averages it
 over the global batch (mlplat.train.step).
@@ -148,3 +150,53 @@ def summed_token_loss(values: torch.Tensor, mask: torch.Tensor, loss_type: LossT
     if loss_type == "bnpo":
         return (values * mask).sum() / mask.sum().clamp(min=1)
     return (values * mask).sum()
+
+
+# PPO with a learned critic (Ouyang et al. 2022; TRL's PPOTrainer, OpenRLHF's names): per-token rewards, GAE, the clipped value loss.
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, batch_moments: Moments | None = None, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """``values`` [B, T] standardised over the positions in ``mask`` (TRL's ``masked_whiten``): (v - mean) / std, or
+    with ``shift_mean=False`` (v - mean) / std + mean (scaled, the mean kept). ``batch_moments`` gives the
+    mean and (sample) std of the masked values over every rank (default: this batch's); 0 outside the mask."""
+    mask = mask.bool()
+    mean, std = (batch_moments or local_moments)(values[mask])
+    whitened = (values - mean) * torch.rsqrt(std * std + eps)
+    return (whitened if shift_mean else whitened + mean) * mask
+
+
+def kl_penalised_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
+    """PPO's per-token rewards [B, T] (TRL's PPOTrainer): -kl_coef (log pi_old - log pi_ref) on every completion token
+    (the k1 estimate of the KL to the reference), plus the sequence's score [B] on its last completion token."""
+    rewards = -kl_coef * (logprobs - ref_logprobs) * mask
+    has_tokens = mask.any(-1)
+    last = (mask.long() * torch.arange(mask.shape[-1], device=mask.device)).argmax(-1)  # the last True per row
+    rows = has_tokens.nonzero().squeeze(-1)
+    rewards[rows, last[rows]] += scores[rows].to(rewards.dtype)
+    return rewards
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016) per token: (advantages, returns) [B, T].
+
+    delta_t = r_t + gamma V_{t+1} - V_t; A_t = delta_t + gamma lam A_{t+1}; returns = A + V. Positions outside
+    ``mask`` (prompt, padding) count as neither reward nor value, so each completion ends at its last token
+    (V after it = 0) and its advantages are 0 elsewhere. Completions are contiguous runs of ``mask``."""
+    mask = mask.to(values.dtype)
+    rewards, values = rewards * mask, values * mask
+    advantages = torch.zeros_like(values)
+    next_value = torch.zeros_like(values[:, 0])
+    next_advantage = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantages[:, t] = (delta + gamma * lam * next_advantage) * mask[:, t]
+        next_value, next_advantage = values[:, t], advantages[:, t]
+    return advantages, (advantages + values) * mask
+
+
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, cliprange_value: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped value loss per token [B, T], 0.5 max((V - R)^2, (V_clip - R)^2) with V_clip = old V +- cliprange_value
+    (TRL's ``vf_loss`` before its mean), and where the clipped term was the larger (bool [B, T], TRL's ``vf_clipfrac``)."""
+    clipped_values = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+    unclipped, clipped = (values - returns) ** 2, (clipped_values - returns) ** 2
+    return 0.5 * torch.maximum(unclipped, clipped), clipped > unclipped
