@@ -23,8 +23,10 @@ vocabulary; mlplat.models.shapes), whose weights, not per-step overhead, decide 
    Tokens = completion tokens / wall time. Each side runs twice (once on the 0.5B shape) and the
    faster run counts (other processes only ever slow a run down).
 2. The recipe: ``train_apps.grpo.run_grpo`` for a few steps on the local Ray cluster (2 training
-   workers, 1 rollout actor); the per-phase seconds per step it logs (mean over the log windows
-   after the first, which holds warm-up; the only window if there is one) are read back from MLflow.
+   workers, 1 rollout actor; on the 0.5B shape 1 worker, activation checkpointing, micro-batches of
+   one group: two fp32 workers with AdamW beside the engine outgrow the machine); the per-phase
+   seconds per step it logs (mean over the log windows after the first, which holds warm-up; the
+   only window if there is one) are read back from MLflow.
 
 JSON fields: rollout_throughput_ratio (ours / baseline tokens/s, lengths as drawn),
 rollout_throughput_ratio_equal_length, rollout_s, reward_s, score_s, train_s, sync_s (seconds per
@@ -165,11 +167,15 @@ def main() -> None:
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     steps, log_every = (2, 1) if big else (6, 3) if args.quick else (20, 5)
+    workers = 1 if big else 2
     cfg = GRPOConfig(
         model=str(model_dir), data=DataConfig(path=str(data.rl_prompts)), max_steps=steps, log_every=log_every, checkpoint_every=steps,
-        num_workers=2, batch_size_per_worker=prompts // 2 * group_size, num_generations=group_size, max_completion_length=max_len,
-        storage_path=str(work / "ray_train"), registered_model=None,
-        parallel={"strategy": "fsdp" if big else "ddp"},  # 0.5B in fp32 with AdamW: sharded over the 2 workers to fit beside the engine
+        num_workers=workers, num_generations=group_size, max_completion_length=max_len, storage_path=str(work / "ray_train"),
+        registered_model=None,
+        # each worker's prompts x G completions make one optimizer step; on the 0.5B shape in micro-batches of one group, layers
+        # recomputed in backward (two workers' fp32 weights, gradients and AdamW state beside the engine outgrow 23 GiB)
+        batch_size_per_worker=group_size if big else prompts // workers * group_size, grad_accum_steps=prompts if big else 1,
+        parallel={"activation_checkpointing": big},
         rollout={"kv_cache_memory_gb": 0.25},
     )  # fmt: skip
     tracking_uri = f"sqlite:///{work / 'mlflow.db'}"
@@ -200,7 +206,7 @@ def main() -> None:
         "setup": {
             "quick": args.quick, "shape": shape_name, "prompts": prompts, "num_generations": group_size, "max_len": max_len,
             "length_distribution": "per prompt, uniform integer in [max_len // 4, max_len], seed 0; ignore_eos", "runs_per_side": runs,
-            "model": shape.model_dump(), "threads": torch.get_num_threads(), "grpo_steps": steps, "training_workers": 2,
+            "model": shape.model_dump(), "threads": torch.get_num_threads(), "grpo_steps": steps, "training_workers": workers,
             "date": time.strftime("%Y-%m-%d"),
         },
     }  # fmt: skip

@@ -3,7 +3,10 @@
 step builds full-vocabulary logits for its batch, and the same formula puts Qwen2.5-7B's steps on
 8 x 80 GB GPUs inside 80 GB.
 
-    python benchmarks/posttrain_memory.py [--quick] [--out FILE] [--tokens N] [--chunk-tokens N]
+    python benchmarks/posttrain_memory.py [--quick] [--out FILE] [--layers N] [--tokens N] [--chunk-tokens N]
+
+``--quick`` (a smoke run, under 3 minutes) keeps the shape's width and vocabulary but 4 of its 24
+decoder layers, 32-token rows and 16-token completions; the claim is the full run's.
 
 Setup: Qwen2.5-0.5B's configuration with random weights (``SHAPES["qwen2.5-0.5b"]``: 494M parameters,
 151,936-entry vocabulary, tied embeddings), fp32 on CPU, FSDP2 over 2 worker processes (gloo, plain
@@ -81,12 +84,19 @@ def status_kib(pid: int | str = "self") -> dict[str, int]:
     return out
 
 
-def _build_model(out_dir: str) -> None:
+def measured_shape(layers: int):
+    """Qwen2.5-0.5B's shape, with ``layers`` of its 24 decoder layers (--quick: 4; the claim: all 24)."""
+    from mlplat.models.shapes import SHAPES
+
+    return SHAPES["qwen2.5-0.5b"].model_copy(update={"num_hidden_layers": layers})
+
+
+def _build_model(out_dir: str, layers: int) -> None:
     from mlplat.data.demo import DemoDataConfig, tokenizer_corpus, write_demo_data
-    from mlplat.models.shapes import SHAPES, build_random_model
+    from mlplat.models.shapes import build_random_model
 
     data = write_demo_data(Path(out_dir) / "data", DemoDataConfig(sft_rows=500, eval_rows=20, preference_rows=20, rl_rows=20))
-    build_random_model(Path(out_dir) / "model", SHAPES["qwen2.5-0.5b"], tokenizer_corpus(data.sft))
+    build_random_model(Path(out_dir) / "model", measured_shape(layers), tokenizer_corpus(data.sft))
 
 
 # -- one rank ---------------------------------------------------------------------------------
@@ -300,10 +310,9 @@ def run_recipe(recipe: str, args: dict, work: Path) -> tuple[list[dict], float, 
 
 
 def estimates(recipe: str, rank: int, result: dict, args: dict):
-    from mlplat.models.shapes import SHAPES
     from mlplat.train.memory import MemorySetup, estimate_step_memory
 
-    shape = SHAPES["qwen2.5-0.5b"]
+    shape = measured_shape(args["layers"])
     engine = recipe == "grpo" and rank == 0
     kv_tokens = 2 * GENERATIONS * -(-(args["prompt_tokens"] + args["completion_tokens"]) // 16) * 16 if engine else 0
     setup = MemorySetup(
@@ -325,7 +334,8 @@ def estimate_7b(recipe: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer tokens per micro-batch, same shape (< 3 minutes)")
+    parser.add_argument("--quick", action="store_true", help="4 decoder layers, fewer tokens per micro-batch (< 3 minutes)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers of the 0.5B shape; default 24, 4 with --quick")
     parser.add_argument("--tokens", type=int, default=None, help="tokens per row (SFT, DPO); default 1024, 32 with --quick")
     parser.add_argument("--rows", type=int, default=2, help="rows per micro-batch (SFT; DPO: chosen + rejected)")
     parser.add_argument("--chunk-tokens", type=int, default=None, help="the log-prob head's chunk; default 1024, 32 with --quick")
@@ -348,14 +358,13 @@ def main() -> None:
 def run(args, work: Path, started: float) -> None:
     import torch.multiprocessing as mp
 
-    from mlplat.models.shapes import SHAPES
-
+    layers = args.layers or (4 if args.quick else 24)
     tokens = args.tokens or (32 if args.quick else 1024)
     chunk = args.chunk_tokens or (32 if args.quick else 1024)
     prompt_tokens, completion_tokens = (8, 16) if args.quick else (64, 128)
     recipes = args.recipes.split(",")
     default_recipes = [r for r in (args.glibc_default_recipes if args.glibc_default_recipes is not None else "").split(",") if r]
-    builder = mp.get_context("spawn").Process(target=_build_model, args=(str(work),))  # the full model never lives in this process
+    builder = mp.get_context("spawn").Process(target=_build_model, args=(str(work), layers))  # the full model never lives in this process
     builder.start()
     builder.join()
     assert builder.exitcode == 0, "building the random model failed"
@@ -367,6 +376,7 @@ def run(args, work: Path, started: float) -> None:
         "allocator": "mmap",
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
+        "layers": layers,
     }
     build_s = time.perf_counter() - started
 
@@ -399,7 +409,7 @@ def run(args, work: Path, started: float) -> None:
                          "ratio": max(r["measured_gib"] for r in results) / max(estimate), "phases": [r["phases"] for r in results]}  # fmt: skip
         machine_peak, hwm_peak = max(machine_peak, machine), max(hwm_peak, hwm_sum)
     est7 = {recipe: estimate_7b(recipe) for recipe in ("sft", "dpo", "grpo")}
-    shape = SHAPES["qwen2.5-0.5b"]
+    shape = measured_shape(layers)
     out = {
         **{f"peak_over_estimate_{r}": ratios[r] for r in recipes},
         "machine_peak_gib": machine_peak,

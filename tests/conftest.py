@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from mlplat.data.demo import DemoDataConfig
+
 if TYPE_CHECKING:
     from train_apps.sft import SFTConfig, SFTResult
 
@@ -61,6 +63,58 @@ def tiny_model(tmp_path_factory, demo_data) -> Path:
     from mlplat.models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", tokenizer_corpus(demo_data.sft))
+
+
+# The post-training tests' task: one-digit reversed sums.
+ONE_DIGIT = DemoDataConfig(max_digits=1, sft_rows=2000, eval_rows=30, preference_rows=400, rl_rows=400)
+
+
+@pytest.fixture(scope="session")
+def one_digit(tmp_path_factory):
+    from mlplat.data.demo import write_demo_data
+
+    return write_demo_data(tmp_path_factory.mktemp("one_digit"), ONE_DIGIT)
+
+
+@pytest.fixture(scope="session")
+def sft_model(tmp_path_factory, tiny_model, one_digit):
+    """100 SFT steps in-process (no Ray: a fixture, not the recipe under test), the start of the post-training tests."""
+    import json
+    import random
+
+    import torch
+
+    from mlplat.data.chat import tokenize_chat
+    from mlplat.models import load_model, load_tokenizer
+    from mlplat.train.batch import pad_collate
+    from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer
+    from mlplat.train.step import train_step
+
+    torch.manual_seed(0)
+    tokenizer, model = load_tokenizer(tiny_model), load_model(tiny_model)
+    with open(one_digit.sft) as f:
+        rows = [tokenize_chat(tokenizer, json.loads(line)["messages"], 64) for line in f]
+    optim = OptimizerConfig(lr=1e-3, warmup_steps=50)
+    optimizer = build_optimizer(model, optim)
+    scheduler = build_lr_scheduler(optimizer, optim, 100)
+    rng = random.Random(0)
+    for _ in range(100):
+        batch = rng.sample(rows, 32)
+        train_step(model, pad_collate({"input_ids": [r[0] for r in batch], "labels": [r[1] for r in batch]}, tokenizer.pad_token_id), optimizer, scheduler, 1.0)
+    out = tmp_path_factory.mktemp("sft") / "model"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def local_group():
+    """Two rank processes for the session: the loop-level tests' many short runs under plain torch.distributed
+    share them instead of spawning (and importing torch in) two new processes each (mlplat.train.worker.LocalGroup)."""
+    from mlplat.train.worker import LocalGroup
+
+    with LocalGroup(2) as group:
+        yield group
 
 
 @pytest.fixture(scope="session")

@@ -135,21 +135,26 @@ def test_cli_bad_arguments_are_usage_errors():
 def test_readme_recipe_configs_validate():
     """Every recipe YAML example in the README and docs/training.md validates as its recipe's config (docs that cannot drift).
 
-    A block is a GRPO config when it says so in its first line (``# grpo.yaml``), else SFT."""
+    A block is another recipe's config when its first line names it (``# grpo.yaml``, ``# ppo.yaml``), else SFT's."""
     import re
 
     import yaml
     from conftest import REPO_ROOT
 
     from train_apps.grpo import GRPOConfig
+    from train_apps.ppo import PPOConfig
 
     docs = (REPO_ROOT / "README.md").read_text() + (REPO_ROOT / "docs" / "training.md").read_text()
     texts = re.findall(r"```yaml\n(.*?)```", docs, re.S)
     recipes = [(t, yaml.safe_load(t)) for t in texts]
     recipes = [(t, b) for t, b in recipes if isinstance(b, dict) and "model" in b and "data" in b]
-    grpo = [GRPOConfig.model_validate(b) for t, b in recipes if t.startswith("# grpo.yaml")]
-    sft = [SFTConfig.model_validate(b) for t, b in recipes if not t.startswith("# grpo.yaml")]
-    assert len(grpo) >= 1 and len(sft) >= 2
+    schemas = {"# grpo.yaml": GRPOConfig, "# ppo.yaml": PPOConfig}
+    validated: dict[type, list] = {}
+    for text, block in recipes:
+        schema = next((s for first, s in schemas.items() if text.startswith(first)), SFTConfig)
+        validated.setdefault(schema, []).append(schema.model_validate(block))
+    sft = validated.get(SFTConfig, [])
+    assert len(validated.get(GRPOConfig, [])) >= 1 and len(validated.get(PPOConfig, [])) >= 1 and len(sft) >= 2
     assert {c.parallel.strategy for c in sft} == {"ddp", "fsdp"}
 
 

@@ -1,7 +1,7 @@
 """Post-training recipes end to end on the real local Ray cluster: reward model, DPO, GRPO.
 
 The reward model and DPO run as steps of pipelines/preference.py. They all start from a
-small SFT model trained here in-process on one-digit reversed sums
+small SFT model trained in-process on one-digit reversed sums (conftest's ``sft_model``)
 (~30% held-out exact match): good enough for a reward model to learn from and for
 GRPO's groups to hold both right and wrong answers, far enough from 100% to improve.
 """
@@ -9,48 +9,11 @@ GRPO's groups to hold both right and wrong answers, far enough from 100% to impr
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
-import torch
-
-from mlplat.data.demo import DemoDataConfig, write_demo_data
+from conftest import ONE_DIGIT
 
 pytestmark = pytest.mark.slow
-
-ONE_DIGIT = DemoDataConfig(max_digits=1, sft_rows=2000, eval_rows=30, preference_rows=400, rl_rows=400)
-
-
-@pytest.fixture(scope="module")
-def one_digit(tmp_path_factory):
-    return write_demo_data(tmp_path_factory.mktemp("one_digit"), ONE_DIGIT)
-
-
-@pytest.fixture(scope="module")
-def sft_model(tmp_path_factory, tiny_model, one_digit):
-    """100 SFT steps in-process (no Ray: a fixture, not the recipe under test)."""
-    from mlplat.data.chat import tokenize_chat
-    from mlplat.models import load_model, load_tokenizer
-    from mlplat.train.batch import pad_collate
-    from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer
-    from mlplat.train.step import train_step
-
-    torch.manual_seed(0)
-    tokenizer, model = load_tokenizer(tiny_model), load_model(tiny_model)
-    with open(one_digit.sft) as f:
-        rows = [tokenize_chat(tokenizer, json.loads(line)["messages"], 64) for line in f]
-    optim = OptimizerConfig(lr=1e-3, warmup_steps=50)
-    optimizer = build_optimizer(model, optim)
-    scheduler = build_lr_scheduler(optimizer, optim, 100)
-    rng = random.Random(0)
-    for _ in range(100):
-        batch = rng.sample(rows, 32)
-        train_step(model, pad_collate({"input_ids": [r[0] for r in batch], "labels": [r[1] for r in batch]}, tokenizer.pad_token_id), optimizer, scheduler, 1.0)
-    out = tmp_path_factory.mktemp("sft") / "model"
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
-
 
 @pytest.fixture(scope="module")
 def preference_run(ray_cluster, tmp_path_factory, sft_model, new_mlflow_store):

@@ -146,13 +146,11 @@ def test_advantage_estimators_match_plain_loops(estimator, scale):
         assert got[4:8].tolist() == [0.0] * 4  # a group of equal rewards teaches nothing
 
 
-def test_batch_moments_over_ranks_are_the_whole_batchs(tmp_path):
+def test_batch_moments_over_ranks_are_the_whole_batchs(tmp_path, local_group):
     """Two gloo ranks holding part of the rewards each: the batch mean and std are the whole batch's, not a rank's."""
     import json
 
-    from mlplat.train.worker import run_local
-
-    run_local(_moments_on_two_ranks, None, 2, tmp_path, {})
+    local_group.run(_moments_on_two_ranks, None, tmp_path, {})
     whole = REWARDS + [0.0] * 4
     for rank in (0, 1):
         mean, std = json.loads((tmp_path / f"moments{rank}.json").read_text())
@@ -282,6 +280,20 @@ def test_rollout_batch_aligns_engine_logprobs_with_target_positions():
     assert batch["labels"].tolist() == [[IGNORE_INDEX] * 3 + [8, 9], [IGNORE_INDEX, 4, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]]
     # target position t scores token t+1: the first completion token is predicted at len(prompt) - 1.
     torch.testing.assert_close(batch["engine_logprobs"], torch.tensor([[0, 0, -0.1, -0.2], [-0.3, 0, 0, 0]]))
+
+
+def test_seeded_rollouts_draw_independently_for_identical_prompts(tiny_model):
+    # One completion per prompt, the same prompt four times: seeding every request alike would give four equal samples.
+    rollout = RolloutWorker(str(tiny_model), {})
+    chats = [[{"role": "user", "content": "What is 12 + 34?"}]] * 4
+    params = {"n": 1, "max_tokens": 12, "temperature": 1.0, "seed": 5, "ignore_eos": True}
+    first = [s.completion_ids for s in rollout.generate(chats, params)]
+    assert len(set(map(tuple, first))) > 1
+    assert [s.completion_ids for s in rollout.generate(chats, params)] == first  # still reproducible
+    # With n samples, prompt i's are seeded seed + i * n + j: prompt 1 of a call seeded 5 is prompt 0 of one seeded 7.
+    two = rollout.generate(chats[:2], {**params, "n": 2})
+    shifted = rollout.generate(chats[:1], {**params, "n": 2, "seed": 7})
+    assert [s.completion_ids for s in two[2:]] == [s.completion_ids for s in shifted]
 
 
 def test_after_a_weight_sync_the_rollout_engine_scores_tokens_like_the_trainer(tiny_model):

@@ -19,7 +19,6 @@ from mlplat.train.losses import clipped_value_loss, gae, kl_penalised_rewards, m
 # 3 rows of target positions (T = 7): a completion starts after its prompt and ends before the padding.
 MASK = [[0, 0, 1, 1, 1, 1, 0], [0, 1, 1, 0, 0, 0, 0], [0, 0, 0, 1, 1, 1, 1]]
 REWARDS = [[0.0, 0.0, 0.1, -0.2, 0.05, 1.0, 0.0], [0.0, 0.3, -0.5, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.2, 0.0, -0.1, 2.0]]
-one_digit, sft_model = test_posttrain.one_digit, test_posttrain.sft_model  # fixtures: the demo task and SFT model GRPO's test starts from
 VALUES = [[9.0, 9.0, 0.5, 0.4, 0.6, 0.8, 9.0], [9.0, -0.2, 0.1, 9.0, 9.0, 9.0, 9.0], [9.0, 9.0, 9.0, 1.0, 1.2, 0.9, 1.5]]  # 9: ignored
 
 
@@ -185,6 +184,36 @@ def test_the_critic_scores_every_position_with_the_reward_models_head(tiny_model
     assert stats["clip_fraction"].item() == clipped
 
 
+@pytest.mark.parametrize("trained", ["policy", "critic"])
+def test_ppo_objectives_accumulate_exactly_over_micro_batches(trained, tiny_model):
+    """Both objectives are means over the step's completion tokens: micro-batches of 2 and 4 completions give the loss,
+    statistics and update of one micro-batch of 6."""
+    from mlplat.models import load_model, load_reward_model
+    from mlplat.train.logprobs import install_logprob_head
+    from mlplat.train.optim import OptimizerConfig, build_lr_scheduler
+    from mlplat.train.step import train_step
+    from train_apps.ppo import PPOConfig, PPOPolicyObjective, TokenValues, ValueObjective
+
+    cfg = PPOConfig(model="/m", data={"path": "/p"}, temperature=0.7, cliprange=0.2, cliprange_value=0.2, vf_coef=0.1)
+    batch = _ppo_batch(tiny_model)
+    objective = PPOPolicyObjective(cfg) if trained == "policy" else ValueObjective(cfg)
+
+    def setup():
+        torch.manual_seed(0)  # the critic's new head alike in both copies
+        model = install_logprob_head(load_model(tiny_model)) if trained == "policy" else TokenValues(load_reward_model(tiny_model))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        return model, optimizer, build_lr_scheduler(optimizer, OptimizerConfig(lr=0.1, warmup_steps=1), 10)
+
+    whole, accumulated = setup(), setup()
+    a = train_step(whole[0], batch, *whole[1:], grad_clip=10.0, objective=objective)
+    parts = [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}]
+    b = train_step(accumulated[0], parts, *accumulated[1:], grad_clip=10.0, objective=objective)
+    assert a.grad_norm > 0 and math.isclose(a.loss, b.loss, rel_tol=1e-5) and math.isclose(a.grad_norm, b.grad_norm, rel_tol=1e-4)
+    assert a.metrics and a.metrics == pytest.approx(b.metrics, rel=1e-5, abs=1e-7)
+    for p, q in zip(whole[0].parameters(), accumulated[0].parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+
+
 def test_ppo_experience_whitens_gae_advantages_over_the_completion_tokens(tiny_model):
     from mlplat.models import load_reward_model
     from mlplat.train.losses import local_moments
@@ -207,7 +236,7 @@ def test_ppo_experience_whitens_gae_advantages_over_the_completion_tokens(tiny_m
     kept = batch["advantages"][mask]
     assert kept.mean().item() == pytest.approx(0.0, abs=1e-5) and kept.std().item() == pytest.approx(1.0, rel=1e-4)
     torch.testing.assert_close(batch["advantages"], masked_whiten(adv, mask))
-    assert metrics["kl"] == pytest.approx(0.1 * mask.sum(-1).float().mean().item(), rel=1e-5)  # k1 of 0.1 per token, summed per completion
+    assert metrics["objective/kl"] == pytest.approx(0.1 * mask.sum(-1).float().mean().item(), rel=1e-5)  # k1 of 0.1 per token, summed per completion
 
 
 def test_ppo_config_names_and_critic_source():
@@ -257,20 +286,6 @@ def test_ppo_raises_the_reward_with_synced_rollouts_on_two_workers(ray_cluster, 
     assert result.rewards[-1] > result.rewards[0], result.rewards
     assert result.eval_before is not None and result.eval_after is not None and result.model_version is not None
     run = MlflowClient(tracking_uri).get_run(result.run_id).data
-    assert {"kl", "values/mean", "critic/loss", "critic/value_mse", "critic/clip_fraction", "clip_fraction"} <= run.metrics.keys()
+    assert {"objective/kl", "values/mean", "critic/loss", "critic/value_mse", "critic/clip_fraction", "clip_fraction"} <= run.metrics.keys()
     latest = run.tags["mlplat.checkpoint.latest"]  # the critic's state beside the policy's
     assert (Path(latest) / "critic" / "train_state.pt").is_file() and (Path(latest) / "model" / "model.safetensors").is_file()
-
-def test_the_docs_ppo_config_validates():
-    """docs/training.md's ppo.yaml is a valid PPOConfig (tests/test_config.py checks the SFT and GRPO examples)."""
-    import re
-
-    import yaml
-    from conftest import REPO_ROOT
-
-    from train_apps.ppo import PPOConfig
-
-    blocks = re.findall(r"```yaml[^\n]*\n(# ppo\.yaml\n.*?)```", (REPO_ROOT / "docs" / "training.md").read_text(), re.DOTALL)
-    assert len(blocks) == 1
-    cfg = PPOConfig.model_validate(yaml.safe_load(blocks[0]))
-    assert cfg.prompts_per_generation == 64 and cfg.critic_source() == "models:/reward-model@candidate"

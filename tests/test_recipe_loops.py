@@ -1,17 +1,20 @@
 """The recipes' loops under plain torch.distributed (gloo, 2 processes, no Ray): exact resume, gradient
 accumulation equal to one big batch, and the non-finite guard, for SFT, the reward model and DPO.
 
-Each run spawns its ranks with ``mlplat.train.worker.run_local``: the loop is the one Ray Train
-launches, on a ``LocalWorkerEnv`` (rows in memory, checkpoints in a directory). The Ray side (Ray
+Each run goes to the session's two rank processes (``local_group``: ``mlplat.train.worker.LocalGroup``, what
+``run_local`` spawns for one run): the loop is the one Ray Train launches, on a ``LocalWorkerEnv`` (rows in
+memory, checkpoints in a directory). The Ray side (Ray
 Data's deterministic shards, Ray Train's restarts) is tested end to end in test_sft*.py and test_posttrain.py.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 import torch
+from conftest import MLPLAT
 from safetensors.torch import load_file
 
 from mlplat.data.preference import PreferenceDataConfig, PreferenceTokenizer
@@ -24,7 +27,7 @@ from train_apps.dpo import DPOConfig, dpo_loop
 from train_apps.reward_model import RewardModelConfig, reward_model_loop
 from train_apps.sft import SFTConfig, sft_loop
 
-pytestmark = pytest.mark.slow  # 2-3 process groups per test, ~25 s each: in `make test`, not `make test-fast`
+pytestmark = pytest.mark.slow  # a few runs of 2 ranks per test: in `make test`, not `make test-fast`
 
 WORLD = 2
 
@@ -60,16 +63,16 @@ def _weights(checkpoint) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("recipe", ["sft", "reward_model", "dpo"])
-def test_a_run_resumed_from_its_checkpoint_continues_exactly_and_accumulation_equals_one_big_batch(recipes, recipe, tmp_path):
+def test_a_run_resumed_from_its_checkpoint_continues_exactly_and_accumulation_equals_one_big_batch(recipes, recipe, tmp_path, local_group):
     cfg, loop, rows = recipes[recipe]
-    straight = run_local(loop, cfg, WORLD, tmp_path / "straight", {"train": rows})
+    straight = local_group.run(loop, cfg, tmp_path / "straight", {"train": rows})
     assert [m["step"] for m in straight.metrics] == [1, 2, 3, 4, 5, 6]
     assert [c.name for c in straight.checkpoints] == ["checkpoint_000003", "checkpoint_000006"]  # every 3 steps, whatever log_every
     if recipe == "sft":  # in 6 steps only SFT's loss is sure to fall
         assert straight.metrics[-1]["loss"] < straight.metrics[0]["loss"]
 
     # A new run from the step-3 checkpoint (weights, optimizer, scheduler, RNG, data position) redoes steps 4-6.
-    resumed = run_local(loop, cfg, WORLD, tmp_path / "resumed", {"train": rows}, restore_from=straight.checkpoints[0])
+    resumed = local_group.run(loop, cfg, tmp_path / "resumed", {"train": rows}, restore_from=straight.checkpoints[0])
     windows = [m for m in resumed.metrics if "loss" in m]
     assert [m["step"] for m in windows] == [4, 5, 6]
     if recipe == "sft":
@@ -83,16 +86,16 @@ def test_a_run_resumed_from_its_checkpoint_continues_exactly_and_accumulation_eq
     # and gradient norm (same weights) agree to float precision. Later steps only approximately: Adam turns summation-
     # order noise in near-zero gradients into updates of up to lr.
     accumulated = cfg.model_copy(update={"batch_size_per_worker": 2, "grad_accum_steps": 2})
-    first = run_local(loop, accumulated, WORLD, tmp_path / "accumulated", {"train": rows}).metrics
+    first = local_group.run(loop, accumulated, tmp_path / "accumulated", {"train": rows}).metrics
     assert first[0]["loss"] == pytest.approx(straight.metrics[0]["loss"], rel=1e-5)
     assert first[0]["grad_norm"] == pytest.approx(straight.metrics[0]["grad_norm"], rel=1e-4)
     assert [m["loss"] for m in first] == pytest.approx([m["loss"] for m in straight.metrics], rel=2e-2)
 
 
-def test_a_sharded_checkpoint_exports_on_one_process_as_saved(recipes, tmp_path):
+def test_a_sharded_checkpoint_exports_on_one_process_as_saved(recipes, tmp_path, local_group):
     """DCP shards written by 2 ranks, resharded onto one process: the same weights as the run's own HF export."""
     cfg, loop, rows = recipes["sft"]
-    run = run_local(loop, cfg.model_copy(update={"max_steps": 3}), WORLD, tmp_path / "run", {"train": rows})
+    run = local_group.run(loop, cfg.model_copy(update={"max_steps": 3}), tmp_path / "run", {"train": rows})
     exported = export_checkpoint(run.checkpoints[-1], tmp_path / "exported")
     for name, tensor in _weights(run.checkpoints[-1]).items():
         torch.testing.assert_close(load_file(exported / "model.safetensors")[name], tensor, rtol=0, atol=0, msg=name)
@@ -115,18 +118,18 @@ def test_resume_from_is_checked_before_anything_starts(tmp_path):
         check_resume_from(str(tmp_path), max_steps=10)
 
 
-def test_resume_from_a_finished_run_is_refused(recipes, tmp_path):
+def test_resume_from_a_finished_run_is_refused(recipes, tmp_path, local_group):
     from mlplat.train.recipe import check_resume_from
 
     cfg, loop, rows = recipes["reward_model"]
-    run = run_local(loop, cfg.model_copy(update={"max_steps": 1}), 1, tmp_path / "run", {"train": rows})
+    run = local_group.run(loop, cfg.model_copy(update={"max_steps": 1}), tmp_path / "run", {"train": rows})
     with pytest.raises(ConfigError, match="at step 1, not before max_steps=1"):
         check_resume_from(str(run.checkpoints[-1]), max_steps=1)
     assert json.loads((run.checkpoints[-1] / "checkpoint.json").read_text())["base_model"] == cfg.model
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
-def test_dpo_with_lora_trains_adapters_against_the_base_model_as_reference(recipes, strategy, tmp_path):
+def test_dpo_with_lora_trains_adapters_against_the_base_model_as_reference(recipes, strategy, tmp_path, local_group):
     """LoRA under FSDP2 and DDP: the reference is the policy with its adapters off (no second copy). At step 1 the
     adapters are still zero (B = 0), so every implicit reward is exactly 0; then the adapters train, and the
     export merges them into the base weights."""
@@ -135,9 +138,33 @@ def test_dpo_with_lora_trains_adapters_against_the_base_model_as_reference(recip
     cfg, loop, rows = recipes["dpo"]
     cfg = cfg.model_copy(update={"max_steps": 3, "lora": LoRAConfig(r=4, target_modules=["q_proj", "v_proj"]),
                                  "parallel": cfg.parallel.model_copy(update={"strategy": strategy})})  # fmt: skip
-    run = run_local(loop, cfg, WORLD, tmp_path / "run", {"train": rows})
+    run = local_group.run(loop, cfg, tmp_path / "run", {"train": rows})
     assert run.metrics[0]["rewards/chosen"] == 0 and run.metrics[0]["rewards/rejected"] == 0
     assert run.metrics[-1]["rewards/chosen"] != 0
     base, merged = load_file(cfg.model + "/model.safetensors"), _weights(run.checkpoints[-1])
     changed = {name for name, tensor in base.items() if not torch.equal(tensor, merged[name])}
     assert changed and all(".q_proj." in name or ".v_proj." in name for name in changed), changed
+
+
+def test_lora_sft_exports_a_merged_plain_checkpoint(recipes, tmp_path, local_group):
+    """SFT with LoRA: the last checkpoint's HF export is a plain checkpoint (adapters merged, no peft files) in which only
+    the target modules changed; ``mlplat model export`` rebuilds the same weights from the sharded state alone."""
+    from mlplat.train.lora import LoRAConfig
+
+    cfg, loop, rows = recipes["sft"]
+    update = {"max_steps": 12, "checkpoint_every": 12, "log_every": 4, "optim": OptimizerConfig(lr=5e-3, warmup_steps=2)}
+    cfg = cfg.model_copy(update={**update, "lora": LoRAConfig(r=8, alpha=16)})
+    run = local_group.run(loop, cfg, tmp_path / "run", {"train": rows})
+    assert run.metrics[-1]["loss"] < run.metrics[0]["loss"]
+    model_dir = run.checkpoints[-1] / MODEL_DIR
+    assert "adapter_config.json" not in {p.name for p in model_dir.iterdir()}
+    base, tuned = load_file(cfg.model + "/model.safetensors"), _weights(run.checkpoints[-1])
+    changed = {name for name, tensor in base.items() if not torch.equal(tensor, tuned[name])}
+    assert changed and all(any(f".{target}." in name for target in cfg.lora.target_modules) for name in changed), changed
+
+    out = subprocess.run([MLPLAT, "model", "export", "--checkpoint", str(run.checkpoints[-1]), "--out", str(tmp_path / "exported")],
+                         check=False, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    exported = load_file(tmp_path / "exported" / "model.safetensors")
+    for name, tensor in tuned.items():
+        torch.testing.assert_close(exported[name], tensor, rtol=0, atol=0, msg=name)

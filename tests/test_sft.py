@@ -1,20 +1,13 @@
-"""The SFT recipe on a real local Ray cluster (2 DDP workers, gloo) tracked in a real MLflow store: a run, its exact resume, LoRA."""
-
-import subprocess
-from pathlib import Path
+"""The SFT recipe on a real local Ray cluster (2 DDP workers, gloo) tracked in a real MLflow store: a run and its exact resume
+(LoRA: tests/test_recipe_loops.py)."""
 
 import pytest
 import torch
-from conftest import MLPLAT, SFT_BATCH, SFT_STEPS
+from conftest import SFT_BATCH, SFT_STEPS
 from mlflow.tracking import MlflowClient
-from safetensors.torch import load_file
 
-from mlplat.data.sft import SFTDataConfig
 from mlplat.models import load_model
 from mlplat.train.checkpoint import MODEL_DIR, SHARDED_DIR, TRAIN_STATE
-from mlplat.train.lora import LoRAConfig
-from mlplat.train.optim import OptimizerConfig
-from train_apps.sft import SFTConfig, run_sft
 
 
 @pytest.mark.slow
@@ -58,41 +51,3 @@ def test_sft_on_two_workers_improves_loss_and_registers(sft_run, tiny_model):
     assert state["step"] == SFT_STEPS and state["data"]["rows_consumed"] == SFT_STEPS * SFT_BATCH
 
 
-@pytest.mark.slow
-def test_lora_sft_exports_a_merged_plain_checkpoint(ray_cluster, tracking_uri, demo_data, tiny_model, tmp_path):
-    cfg = SFTConfig(
-        model=str(tiny_model),
-        data=SFTDataConfig(path=str(demo_data.sft), pack=True, max_seq_len=64),
-        optim=OptimizerConfig(lr=5e-3, warmup_steps=5),
-        lora=LoRAConfig(r=8, alpha=16),
-        max_steps=30,
-        batch_size_per_worker=4,
-        num_workers=2,
-        log_every=5,
-        storage_path=str(tmp_path / "ray_train"),
-        experiment="test-sft-lora",
-        registered_model=None,
-    )
-    result = run_sft(cfg, tracking_uri=tracking_uri, work_dir=tmp_path / "outputs")
-    assert result.final_loss < result.first_loss
-    run = MlflowClient(tracking_uri).get_run(result.run_id)
-    assert run.data.params["lora.r"] == "8"
-
-    # A plain HF checkpoint: adapters merged into the base weights, no peft files.
-    exported = sorted(p.name for p in Path(result.model_dir).iterdir())
-    assert "adapter_config.json" not in exported and "model.safetensors" in exported
-    base, tuned = load_model(tiny_model), load_model(result.model_dir)
-    assert not torch.equal(base.model.layers[0].self_attn.q_proj.weight, tuned.model.layers[0].self_attn.q_proj.weight)
-    # Only the LoRA target modules changed: norms and embeddings are the base model's.
-    torch.testing.assert_close(base.model.norm.weight, tuned.model.norm.weight, rtol=0, atol=0)
-    torch.testing.assert_close(base.model.embed_tokens.weight, tuned.model.embed_tokens.weight, rtol=0, atol=0)
-
-    # On demand, from the sharded checkpoint alone (base model + adapters resharded onto one process).
-    out = subprocess.run(
-        [MLPLAT, "model", "export", "--checkpoint", result.checkpoint_path, "--out", str(tmp_path / "exported")],
-        check=False, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    exported = load_file(tmp_path / "exported" / "model.safetensors")
-    for name, tensor in load_file(Path(result.model_dir) / "model.safetensors").items():
-        torch.testing.assert_close(exported[name], tensor, rtol=0, atol=0)

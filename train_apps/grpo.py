@@ -39,16 +39,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import ray
 import torch
-from pydantic import BaseModel, Field, model_validator
+from pydantic import Field, model_validator
 
-from mlplat.data.rl_prompts import prepare_rl_prompt_dataset
 from mlplat.rl.experience import completion_mask
 from mlplat.rl.loop import RLConfig, rl_loop
-from mlplat.rl.rewards import start_reward_model
-from mlplat.rl.rollout import start_rollout_workers
-from mlplat.tracking import ModelRef, resolve_model
+from mlplat.rl.run import RLRunResult, run_rl
 from mlplat.train.logprobs import labelled_logprobs
 from mlplat.train.losses import (
     AdvantageEstimator,
@@ -61,7 +57,6 @@ from mlplat.train.losses import (
     summed_token_loss,
     token_loss_units,
 )
-from mlplat.train.recipe import RecipeRun
 from mlplat.train.worker import WorkerEnv
 
 
@@ -100,14 +95,7 @@ class GRPOConfig(RLConfig):
         return self
 
 
-class GRPOResult(BaseModel):
-    run_id: str
-    model_dir: str
-    model_version: ModelRef | None
-    rewards: list[float]  # mean reward per log window, in order
-    eval_before: float | None  # held-out exact match (greedy) of the starting model
-    eval_after: float | None
-    max_logprob_diff: float  # largest |trainer - rollout engine| log-prob seen on sampled tokens, whole run
+GRPOResult = RLRunResult
 
 
 class GRPOObjective:
@@ -162,34 +150,7 @@ def grpo_loop(cfg: GRPOConfig, env: WorkerEnv, rollout_workers: list, reward_sco
 
 def run_grpo(cfg: GRPOConfig, tracking_uri: str | None = None, work_dir: str | Path = "outputs") -> GRPOResult:
     """Run the recipe on the connected Ray cluster (a local one is started if needed)."""
-    run = RecipeRun("grpo", cfg, tracking_uri, work_dir)
-    rollout_workers, scorers = [], {}
-    try:
-        with run.tracked():
-            dataset, data_report = prepare_rl_prompt_dataset(cfg.data, rejects_dir=run.work_dir / run.run_id)
-            run.log_data_report(data_report)
-            rollout_workers = start_rollout_workers(str(run.model_dir), cfg.rollout)
-            for source in cfg.reward:
-                if source.kind == "reward_model":
-                    rm_dir = resolve_model(source.reward_model, download_dir=run.work_dir / "downloads", tracking_uri=run.tracking_uri)
-                    scorers[source.label] = start_reward_model(source, str(rm_dir))
-            result = run.fit(grpo_loop, {"train": dataset}, extra={"rollout_workers": rollout_workers, "reward_scorers": scorers})
-            final_dir, version = run.finish(result)
-    finally:
-        for actor in [*rollout_workers, *scorers.values()]:
-            ray.kill(actor)
-    client = run.logger.client
-    rewards = sorted(client.get_metric_history(run.run_id, "reward/mean"), key=lambda m: m.step)
-    metrics = client.get_run(run.run_id).data.metrics
-    return GRPOResult(
-        run_id=run.run_id,
-        model_dir=str(final_dir),
-        model_version=version,
-        rewards=[m.value for m in rewards],
-        eval_before=metrics.get("eval/exact_match_before"),
-        eval_after=metrics.get("eval/exact_match"),
-        max_logprob_diff=metrics["run/logprob_diff_max"],
-    )
+    return run_rl("grpo", cfg, grpo_loop, tracking_uri, work_dir)
 
 
 def main(argv: list[str] | None = None) -> None:

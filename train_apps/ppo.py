@@ -42,20 +42,15 @@ Run: ``mlplat train ppo --config ppo.yaml``.
 from __future__ import annotations
 
 import sys
-from functools import partial
 from pathlib import Path
 
-import ray
 import torch
-from pydantic import BaseModel, Field, model_validator
+from pydantic import Field, model_validator
 
-from mlplat.data.rl_prompts import prepare_rl_prompt_dataset
 from mlplat.models import load_reward_model
 from mlplat.rl.experience import completion_mask, micro_batches
 from mlplat.rl.loop import RLConfig, Trainable, extra_trainable, rl_loop
-from mlplat.rl.rewards import start_reward_model
-from mlplat.rl.rollout import start_rollout_workers
-from mlplat.tracking import ModelRef, resolve_model
+from mlplat.rl.run import RLRunResult, run_rl
 from mlplat.train.batch import model_inputs
 from mlplat.train.logprobs import labelled_logprobs
 from mlplat.train.losses import Moments, clipped_surrogate, clipped_value_loss, gae, kl_penalised_rewards, masked_whiten
@@ -96,15 +91,8 @@ class PPOConfig(RLConfig):
         return self.critic_model or next((r.reward_model for r in self.reward if r.kind == "reward_model"), None)
 
 
-class PPOResult(BaseModel):
-    run_id: str
-    model_dir: str
-    model_version: ModelRef | None
+class PPOResult(RLRunResult):
     critic_model: str  # the directory the critic started from
-    rewards: list[float]  # mean reward (the reward source's score, before the KL penalty) per log window, in order
-    eval_before: float | None  # held-out exact match (greedy) of the starting model
-    eval_after: float | None
-    max_logprob_diff: float  # largest |trainer - rollout engine| log-prob seen on sampled tokens, whole run
 
 
 class TokenValues(torch.nn.Module):
@@ -203,7 +191,7 @@ class PPO:
         batch["old_values"], batch["returns"] = values, returns
         tokens = mask.sum().clamp(min=1)
         return {
-            "kl": ((old - ref) * mask).sum(-1).mean().item(),  # per completion, summed over its tokens (TRL's objective/kl)
+            "objective/kl": ((old - ref) * mask).sum(-1).mean().item(),  # k1 per completion, summed over its tokens (TRL's name)
             "values/mean": (values.sum() / tokens).item(),
             "returns/mean": (returns.sum() / tokens).item(),
             "advantages/mean_unwhitened": (adv.sum() / tokens).item(),
@@ -218,38 +206,17 @@ def ppo_loop(cfg: PPOConfig, env: WorkerEnv, rollout_workers: list, reward_score
 
 def run_ppo(cfg: PPOConfig, tracking_uri: str | None = None, work_dir: str | Path = "outputs") -> PPOResult:
     """Run the recipe on the connected Ray cluster (a local one is started if needed)."""
-    run = RecipeRun("ppo", cfg, tracking_uri, work_dir)
-    rollout_workers, scorers = [], {}
-    resolve = partial(resolve_model, download_dir=run.work_dir / "downloads", tracking_uri=run.tracking_uri)
-    try:
-        with run.tracked():
-            dataset, data_report = prepare_rl_prompt_dataset(cfg.data, rejects_dir=run.work_dir / run.run_id)
-            run.log_data_report(data_report)
-            critic_dir = str(resolve(cfg.critic_source())) if cfg.critic_source() else None  # None: the policy + a new head
-            run.logger.set_tags({"mlplat.ppo.critic_model": cfg.critic_source() or f"{cfg.model} (new value head)"})
-            rollout_workers = start_rollout_workers(str(run.model_dir), cfg.rollout)
-            for source in cfg.reward:
-                if source.kind == "reward_model":
-                    scorers[source.label] = start_reward_model(source, str(resolve(source.reward_model)))
-            extra = {"rollout_workers": rollout_workers, "reward_scorers": scorers, "critic_dir": critic_dir}
-            result = run.fit(ppo_loop, {"train": dataset}, extra=extra)
-            final_dir, version = run.finish(result)
-    finally:
-        for actor in [*rollout_workers, *scorers.values()]:
-            ray.kill(actor)
-    client = run.logger.client
-    rewards = sorted(client.get_metric_history(run.run_id, "reward/mean"), key=lambda m: m.step)
-    metrics = client.get_run(run.run_id).data.metrics
-    return PPOResult(
-        run_id=run.run_id,
-        model_dir=str(final_dir),
-        model_version=version,
-        critic_model=critic_dir or str(run.model_dir),
-        rewards=[m.value for m in rewards],
-        eval_before=metrics.get("eval/exact_match_before"),
-        eval_after=metrics.get("eval/exact_match"),
-        max_logprob_diff=metrics["run/logprob_diff_max"],
-    )
+
+    critic_start: list[str] = []  # the directory the critic starts from, once resolved
+
+    def critic(run: RecipeRun, resolve) -> dict:
+        run.logger.set_tags({"mlplat.ppo.critic_model": cfg.critic_source() or f"{cfg.model} (new value head)"})
+        critic_dir = str(resolve(cfg.critic_source())) if cfg.critic_source() else None  # None: the policy + a new head
+        critic_start.append(critic_dir or str(run.model_dir))
+        return {"critic_dir": critic_dir}
+
+    result = run_rl("ppo", cfg, ppo_loop, tracking_uri, work_dir, setup=critic)
+    return PPOResult(**result.model_dump(), critic_model=critic_start[0])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -273,9 +273,14 @@ class LLMEngine:
             )  # fmt: skip
         return out
 
-    def generate(self, prompts: Iterable[str | list[int]], params: SamplingParams = SamplingParams()) -> list[RequestOutput]:
-        """Run prompts to completion with continuous batching; outputs in prompt order."""
-        ids = [self.add_request(p, params) for p in prompts]
+    def generate(self, prompts: Iterable[str | list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams()) -> list[RequestOutput]:
+        """Run prompts to completion with continuous batching; outputs in prompt order. ``params`` is
+        one for all prompts or one per prompt (as vLLM's ``generate``)."""
+        prompts = list(prompts)
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts; give one, or one per prompt")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, per_prompt)]
         done: dict[str, RequestOutput] = {}
         while self.has_unfinished:
             for out in self.step():

@@ -207,10 +207,9 @@ def _train(cfg: RLConfig, env: WorkerEnv, algorithm: RLAlgorithm, rollout_worker
         health.inject_faults(state.step + 1)
         rows = loader.next()
         start = time.perf_counter()
-        # The engine seeds sample j of every prompt alike (seed + j): with one sample per prompt a seed would draw the same
-        # random numbers for every prompt of the call (identical prompts, identical completions), so none is given then.
-        seed = {"seed": cfg.seed + 1000 * state.step + rank} if n > 1 else {}
-        samples = ray.get(my_rollout.generate.remote([prompt_messages(r) for r in rows], {**sampling, **seed}))
+        # The actor seeds each completion seed + its index in the call: one disjoint range per (step, rank).
+        seed = cfg.seed + (state.step * world_size + rank) * len(rows) * n
+        samples = ray.get(my_rollout.generate.remote([prompt_messages(r) for r in rows], {**sampling, "seed": seed}))
         rollout_s = time.perf_counter() - start
 
         start = time.perf_counter()

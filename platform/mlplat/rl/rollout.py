@@ -52,11 +52,15 @@ class RolloutWorker:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def generate(self, conversations: list[list[dict]], params: dict) -> list[Sample]:
-        """``n`` samples per conversation, grouped consecutively (all of prompt 0's, then prompt 1's...)."""
+        """``n`` samples per conversation, grouped consecutively (all of prompt 0's, then prompt 1's...).
+
+        With a ``seed``, prompt i's samples are seeded ``seed + i * n + j``: the engine seeds sample j of
+        one request ``seed + j``, so one seed for every prompt would draw the same noise for all of them."""
         params = SamplingParams.model_validate({**params, "logprobs": True})
         prompts = [self.prompt_ids(c) for c in conversations]
+        per_prompt = [params if params.seed is None else params.model_copy(update={"seed": params.seed + i * params.n}) for i in range(len(prompts))]
         samples = []
-        for prompt, out in zip(prompts, self.engine.generate(prompts, params)):
+        for prompt, out in zip(prompts, self.engine.generate(prompts, per_prompt)):
             for c in sorted(out.outputs, key=lambda c: c.index):
                 samples.append(Sample(prompt, c.sampled_token_ids, c.sampled_logprobs, c.text, c.finish_reason))
         return samples

@@ -164,23 +164,98 @@ def run_local(loop: Callable, cfg, world_size: int, storage: str | Path, dataset
               restore_from: str | Path | None = None, backend: str = "gloo", timeout_s: float = 600) -> LocalRun:  # fmt: skip
     """Run ``loop(cfg, env)`` on ``world_size`` processes of a fresh ``torch.distributed`` group on this
     machine (gloo on CPU; NCCL puts rank r on ``cuda:r``), without Ray. ``loop`` must be importable by name."""
-    storage = Path(storage)
-    storage.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as rendezvous:
-        args = (loop, cfg, world_size, storage, datasets, restore_from and Path(restore_from), backend, Path(rendezvous) / "store", timeout_s)
-        mp.start_processes(_local_rank, args=args, nprocs=world_size, join=True, start_method="spawn")
-    return LocalRun(storage, JsonlLog.read(storage / "metrics.jsonl"), local_checkpoints(storage))
+    with LocalGroup(world_size, backend, timeout_s) as group:
+        return group.run(loop, cfg, storage, datasets, restore_from)
 
 
-def _local_rank(rank, loop, cfg, world_size, storage, datasets, restore_from, backend, store, timeout_s) -> None:
+class LocalGroup:
+    """``world_size`` processes on this machine that run loops one after another, each run on a fresh
+    ``torch.distributed`` group. The processes are spawned once, so each pays Python's, torch's and the
+    recipes' imports once (seconds per process), not once per run: many short runs (the loop-level tests)
+    cost what their steps cost. A run that fails on any rank stops every process (the others may be
+    waiting on it in a collective) and raises; the next run spawns new ones."""
+
+    def __init__(self, world_size: int, backend: str = "gloo", timeout_s: float = 600):
+        self.world_size, self.backend, self.timeout_s = world_size, backend, timeout_s
+        self.processes: list = []
+
+    def __enter__(self) -> LocalGroup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        context = mp.get_context("spawn")
+        self.jobs, self.results = [context.Queue() for _ in range(self.world_size)], context.Queue()
+        rank_args = [(r, self.world_size, self.backend, self.timeout_s, self.jobs[r], self.results) for r in range(self.world_size)]
+        self.processes = [context.Process(target=_group_rank, args=args, daemon=True) for args in rank_args]
+        for process in self.processes:
+            process.start()
+
+    def run(self, loop: Callable, cfg, storage: str | Path, datasets: dict[str, Sequence[dict]],
+            restore_from: str | Path | None = None) -> LocalRun:  # fmt: skip
+        """``loop(cfg, env)`` on every rank, as ``run_local``; returns when every rank has finished."""
+        if not self.processes:
+            self._start()
+        storage = Path(storage)
+        storage.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as rendezvous:
+            for jobs in self.jobs:
+                jobs.put((loop, cfg, storage, datasets, restore_from and Path(restore_from), Path(rendezvous) / "store"))
+            failure = self._wait()
+        if failure:
+            self.close()
+            raise RuntimeError(f"{getattr(loop, '__name__', loop)} failed: {failure}")
+        return LocalRun(storage, JsonlLog.read(storage / "metrics.jsonl"), local_checkpoints(storage))
+
+    def _wait(self) -> str | None:
+        """None once every rank has reported success; else the first failure (a rank's traceback, or a process gone)."""
+        import queue
+
+        finished = 0
+        while finished < self.world_size:
+            try:
+                rank, error = self.results.get(timeout=1.0)
+            except queue.Empty:
+                gone = [p for p in self.processes if not p.is_alive()]
+                if gone:
+                    return f"rank process {gone[0].pid} exited with code {gone[0].exitcode}"
+                continue
+            if error:
+                return f"on rank {rank}:\n{error}"
+            finished += 1
+        return None
+
+    def close(self) -> None:
+        for jobs in getattr(self, "jobs", []):
+            jobs.put(None)
+        for process in self.processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        self.processes = []
+
+
+def _group_rank(rank: int, world_size: int, backend: str, timeout_s: float, jobs, results) -> None:
+    import traceback
     from datetime import timedelta
 
     device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
-    try:
-        loop(cfg, LocalWorkerEnv(storage, datasets, device, restore_from, getattr(cfg, "num_checkpoints_to_keep", None)))
-    finally:
-        dist.destroy_process_group()
+    while (job := jobs.get()) is not None:
+        loop, cfg, storage, datasets, restore_from, store = job
+        try:
+            timeout = timedelta(seconds=timeout_s)
+            dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=timeout)
+            try:
+                loop(cfg, LocalWorkerEnv(storage, datasets, device, restore_from, getattr(cfg, "num_checkpoints_to_keep", None)))
+            finally:
+                dist.destroy_process_group()
+        except BaseException:
+            results.put((rank, traceback.format_exc()))
+            return
+        results.put((rank, None))
