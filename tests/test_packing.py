@@ -5,7 +5,15 @@ import pytest
 import torch
 
 from mlplat.data.packing import first_fit_decreasing, pack_dataset, pack_examples, packing_efficiency
-from mlplat.train.batch import IGNORE_INDEX, causal_lm_loss, packed_model_inputs
+from mlplat.train.batch import IGNORE_INDEX, packed_model_inputs
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain reference: summed next-token cross-entropy from full logits over unmasked labels, and their count."""
+    targets = labels[:, 1:].reshape(-1)
+    flat = logits[:, :-1].reshape(-1, logits.size(-1)).float()
+    loss = torch.nn.functional.cross_entropy(flat, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss, (targets != IGNORE_INDEX).sum()
 
 PAD = 0
 VOCAB = 97

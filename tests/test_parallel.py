@@ -1,7 +1,7 @@
 """DDP, FSDP2, activation checkpointing and DCP checkpoints: 2 CPU ranks (gloo) against one process.
 
-One spawn of two ranks runs every distributed scenario (starting ranks costs more than
-the tiny model's steps); the ranks write what they saw to files and the assertions run
+One run on the session's two rank processes (``local_group``) covers every distributed scenario
+(starting ranks costs more than the tiny model's steps); the ranks write what they saw to files and the assertions run
 here, in the test process, against a single-process reference on the whole batch.
 """
 
@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from transformers import AutoModelForCausalLM
 
@@ -89,11 +86,9 @@ def _max_diff(a, b) -> float:
     return 0.0 if a == b else float("inf")
 
 
-def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
-    """One rank of every distributed scenario; results go to ``out/rank{rank}.pt``."""
-    torch.set_num_threads(1)  # two ranks on two cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
-    out, cpu = Path(out), torch.device("cpu")
+def _worker(cfg: dict, env) -> None:
+    """One rank of every distributed scenario, in the group the caller set up; results go to ``out/rank{rank}.pt``."""
+    rank, model_dir, out, cpu = dist.get_rank(), cfg["model_dir"], Path(cfg["out"]), torch.device("cpu")
     # The FSDP runs use the chunked log-prob head the recipes install (DDP's: full logits), so they are compared too.
     model = install_logprob_head(load_model(model_dir), chunk_tokens=16)
     batches = _batches(model.config.vocab_size)
@@ -144,7 +139,6 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
     save_sharded(out / f"ddp_rank{rank}", ddp, optimizer, extra={"step": 3})
 
     torch.save(result, out / f"rank{rank}.pt")
-    dist.destroy_process_group()
 
 
 def _save_full_training_state(path: Path, model, optimizer) -> None:
@@ -152,12 +146,6 @@ def _save_full_training_state(path: Path, model, optimizer) -> None:
     state = get_state_dict(unwrap(model), optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         torch.save(state, path)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _merge(out: Path, prefix: str) -> tuple[list[set[str]], Path]:
@@ -181,9 +169,9 @@ def reference(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tiny_model, tmp_path_factory) -> Path:
+def two_ranks(tiny_model, tmp_path_factory, local_group) -> Path:
     out = tmp_path_factory.mktemp("parallel")
-    mp.spawn(_worker, args=(_free_port(), str(tiny_model), str(out)), nprocs=WORLD, join=True)
+    local_group.run(_worker, {"model_dir": str(tiny_model), "out": str(out)}, out, {})
     return out
 
 

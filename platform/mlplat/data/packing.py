@@ -70,7 +70,7 @@ def pack_examples(
             end = start + len(ids)
             out["input_ids"][row, start:end] = ids
             out["labels"][row, start:end] = labels
-            # causal_lm_loss predicts labels[t] from position t-1: at a document's first
+            # The loss predicts labels[t] from position t-1: at a document's first
             # token that is the previous document's last token, so it must carry no loss.
             # (Alone, a document's first label is never predicted either: same loss.)
             out["labels"][row, start] = IGNORE_INDEX

@@ -6,7 +6,6 @@ from typing import Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from mlplat.data.labels import IGNORE_INDEX, PAD_SEQ_ID
 from mlplat.train import collectives
@@ -67,18 +66,6 @@ class PairCounter:
 
     def total(self, device: torch.device) -> int:
         return int(collectives.all_reduce(torch.as_tensor(self.local, dtype=torch.float64), device).item())
-
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed next-token cross-entropy over unmasked labels, and how many tokens that is.
-
-    Returning the sum lets callers average over tokens across micro-batches and
-    ranks instead of averaging per-batch means (which overweights short batches).
-    """
-    shift_logits = logits[:, :-1].reshape(-1, logits.size(-1)).float()
-    shift_labels = labels[:, 1:].reshape(-1)
-    loss_sum = F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss_sum, (shift_labels != IGNORE_INDEX).sum()
-
 
 def document_causal_mask(seq_ids: torch.Tensor) -> torch.Tensor:
     """``[batch, 1, L, L]`` bool, True where query i may attend key j: same document and j <= i.

@@ -245,7 +245,8 @@ def _group_rank(rank: int, world_size: int, backend: str, timeout_s: float, jobs
     device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    else:  # the ranks share this machine's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     while (job := jobs.get()) is not None:
         loop, cfg, storage, datasets, restore_from, store = job
         try:
