@@ -646,10 +646,10 @@ def test_a_row_whose_sampling_fails_fails_its_request_alone(llama, monkeypatch):
 
     real_sample = engine_module.sample
 
-    def sample(logits, params, generators):  # one request's parameters break the batched sampler
+    def sample(logits, params, *rest):  # one request's parameters break the batched sampler
         if any(p.seed == 666 for p in params):
             raise RuntimeError("bad sampling row")
-        return real_sample(logits, params, generators)
+        return real_sample(logits, params, *rest)
 
     monkeypatch.setattr(engine_module, "sample", sample)
     batch = prompts(3, seed=21)
@@ -691,3 +691,126 @@ def test_imported_requests_holding_the_whole_cache_do_not_wait_for_each_other(ll
         assert steps < 100, "no progress"
     assert [done[i].outputs[0].token_ids for i in ids] == reference
     assert decode.block_manager.num_free_blocks == 6
+
+
+# -- sampling controls: logit_bias, min_tokens, penalties, min_p (the formulas: tests/test_sampler.py) ------------
+def test_logit_bias_forces_a_token_and_the_log_probs_stay_the_models(llama):
+    engine = engine_for(llama)
+    prompt = prompts(1, seed=22)[0]
+    sampled = SamplingParams(temperature=1.0, top_p=0.9, seed=0, max_tokens=12, ignore_eos=True)
+    for params in (GREEDY, sampled):
+        out = run_checked(engine, params.model_copy(update={"logit_bias": {42: 100.0}, "logprobs": True}), [prompt])[0].outputs[0]
+        assert out.token_ids == [42] * 12
+        # Log-probs of the raw model (what an RL trainer recomputes), not of the biased distribution (where 42 is certain).
+        raw = engine.score(prompt + out.token_ids)[len(prompt) - 1 :]
+        torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(raw), atol=1e-4, rtol=1e-4)
+        assert max(out.logprobs) < -0.5
+
+
+def test_top_k_1_equals_greedy(llama):
+    batch = prompts(4, seed=23)
+    engine = engine_for(llama)
+    greedy = [o.outputs[0].token_ids for o in run_checked(engine, GREEDY, batch)]
+    top_1 = SamplingParams(temperature=1.3, top_k=1, max_tokens=12, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in run_checked(engine, top_1, batch)] == greedy
+
+
+def test_min_tokens_holds_off_eos_and_stop_tokens(llama):
+    engine = engine_for(llama)
+    eos = engine.tokenizer.eos_token_id
+    prompt = prompts(1, seed=24)[0]
+    # A request whose answer stops at once: EOS pushed to the top.
+    stops_at_once = GREEDY.model_copy(update={"ignore_eos": False, "logit_bias": {eos: 100.0}})
+    out = run_checked(engine, stops_at_once, [prompt])[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids == [] and out.sampled_token_ids == [eos]
+    for params in (stops_at_once, stops_at_once.model_copy(update={"temperature": 1.0, "seed": 1})):
+        held = run_checked(engine, params.model_copy(update={"min_tokens": 5}), [prompt])[0].outputs[0]
+        assert held.finish_reason == "stop" and len(held.token_ids) == 5 and eos not in held.token_ids
+        assert held.sampled_token_ids == held.token_ids + [eos]
+    # A stop token id likewise.
+    stop = GREEDY.model_copy(update={"logit_bias": {42: 100.0}, "stop_token_ids": [42], "min_tokens": 3})
+    out = run_checked(engine, stop, [prompt])[0].outputs[0]
+    assert out.finish_reason == "stop" and len(out.token_ids) == 3 and 42 not in out.token_ids
+    # Under ignore_eos, EOS is a plain token: min_tokens leaves it be.
+    plain_eos = GREEDY.model_copy(update={"logit_bias": {eos: 100.0}, "min_tokens": 5})
+    assert run_checked(engine, plain_eos, [prompt])[0].outputs[0].token_ids == [eos] * 12
+
+
+def test_penalties_apply_to_each_requests_own_history(llama):
+    """Greedy with penalties: each token is the argmax of the model's logits adjusted over the request's prompt and
+    output so far, through plain steps, speculative decoding (such requests do not speculate) and preemption."""
+    from types import SimpleNamespace
+
+    from mlplat.engine.sampling import adjust_logits
+
+    params = GREEDY.model_copy(update={"presence_penalty": 1.0, "frequency_penalty": 0.5, "repetition_penalty": 1.5})
+    batch = [[5, 6, 7, 8, 9, 10] * 6, *prompts(3, seed=25)]  # a repetitive prompt: n-gram drafts would hit
+    model = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
+    expected = []
+    for prompt in batch:
+        ids = list(prompt)
+        for _ in range(params.max_tokens):
+            with torch.no_grad():
+                logits = model(torch.tensor([ids])).logits[0, -1:]
+            ids.append(int(adjust_logits(logits, [params], [SimpleNamespace(token_ids=ids, num_prompt_tokens=len(prompt))], ()).argmax()))
+        expected.append(ids[len(prompt) :])
+    assert expected != [o.outputs[0].token_ids for o in run_checked(engine_for(llama), prompt_ids=batch)]  # the penalties did something
+    assert [o.outputs[0].token_ids for o in run_checked(engine_for(llama), params, batch)] == expected
+    spec = spec_engine(llama, "ngram")
+    assert [o.outputs[0].token_ids for o in run_checked(spec, params, batch)] == expected
+    assert spec.speculator.num_draft_tokens == 0
+    plain = [[5, 6, 7, 8, 9, 10] * 6, *prompts(3, seed=17)]  # beside plain requests, which still speculate
+    mixed = spec.generate(batch + plain, [params] * len(batch) + [GREEDY] * len(plain))
+    assert [o.outputs[0].token_ids for o in mixed[: len(batch)]] == expected and spec.speculator.num_draft_tokens > 0
+    preempting = engine_for(llama, num_kv_blocks=14, max_num_batched_tokens=8, max_model_len=56)
+    assert [o.outputs[0].token_ids for o in run_checked(preempting, params, batch)] == expected
+    assert preempting.scheduler.num_preemptions > 0
+
+
+def test_sampling_controls_survive_a_pd_handoff(llama):
+    eos = engine_for(llama).tokenizer.eos_token_id
+    batch = prompts(3, seed=26)
+    prefill, decode = engine_for(llama), engine_for(llama)
+    sampled = SamplingParams(temperature=0.8, seed=5, max_tokens=10, min_tokens=4, min_p=0.05, presence_penalty=0.8, frequency_penalty=0.3,
+                             repetition_penalty=1.2, logit_bias={eos: 3.0, 7: 2.0})  # fmt: skip
+    held = GREEDY.model_copy(update={"ignore_eos": False, "logit_bias": {eos: 100.0}, "min_tokens": 5})
+    for params in (sampled, held):
+        alone = [o.outputs[0].token_ids for o in run_checked(engine_for(llama), params, batch)]
+        payloads = [prefill.prefill(p, params) for p in batch]
+        assert params is sampled or all(p.first_token != eos for p in payloads)  # min_tokens held on the prefill side too
+        ids = [decode.add_prefilled(p, params) for p in payloads]
+        done = {}
+        while decode.has_unfinished:
+            done |= {o.request_id: o for o in decode.step()}
+        assert [done[i].outputs[0].token_ids for i in ids] == alone
+
+
+def test_a_seeded_request_samples_the_same_alone_and_in_a_batch_of_8(llama):
+    seeded = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, min_p=0.02, presence_penalty=0.5, repetition_penalty=1.1, seed=11,
+                            max_tokens=12, ignore_eos=True)  # fmt: skip
+    prompt = prompts(1, seed=27)[0]
+    alone = run_checked(engine_for(llama), seeded, [prompt])[0].outputs[0].token_ids
+    others = [
+        GREEDY.model_copy(update={"logit_bias": {9: 5.0}, "max_tokens": 4}),
+        SamplingParams(temperature=1.0, seed=11, max_tokens=6, ignore_eos=True),  # the same seed, other controls
+        SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True),  # unseeded
+        SamplingParams(temperature=0.7, top_p=0.5, frequency_penalty=2.0, seed=1, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=1.2, min_p=0.2, min_tokens=3, seed=2, max_tokens=5),
+        SamplingParams(temperature=0.0, repetition_penalty=2.0, n=2, max_tokens=7, ignore_eos=True),
+    ]  # fmt: skip
+    another_seed = seeded.model_copy(update={"seed": 12})
+    outs = engine_for(llama).generate([prompt, *prompts(7, seed=28)[1:], prompt], [seeded, *others, another_seed])
+    assert outs[0].outputs[0].token_ids == alone
+    assert outs[-1].outputs[0].token_ids != alone  # another seed: another sample
+    assert len(set(alone)) > 3
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused(llama):
+    engine = engine_for(llama)
+    bad = GREEDY.model_copy(update={"logit_bias": {5: 1.0, engine.vocab_size: 2.0}})
+    with pytest.raises(ValueError, match=rf"logit_bias token id {engine.vocab_size} is outside the vocabulary"):
+        engine.add_request([5, 6, 7], bad)
+    payload = engine_for(llama).prefill([5, 6, 7], GREEDY)
+    with pytest.raises(ValueError, match="logit_bias token id"):
+        engine.add_prefilled(payload, bad)
+    assert not engine.requests and engine.block_manager.num_free_blocks == engine.runner.num_blocks

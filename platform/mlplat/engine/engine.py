@@ -87,6 +87,7 @@ class LLMEngine:
         assert request_id not in self.requests, f"duplicate request id {request_id}"
         token_ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
         self.check_prompt(token_ids, params.max_tokens)
+        self.check_params(params)
         seqs = [Sequence(request_id, token_ids, params, i) for i in range(params.n)]
         for seq in seqs:
             if params.seed is not None:
@@ -117,6 +118,12 @@ class LLMEngine:
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
                 f"context of {self.max_context} tokens (max_model_len, or what the KV cache can hold)"
             )
+
+    def check_params(self, params: SamplingParams) -> None:
+        """ValueError for sampling parameters that name a token outside this engine's vocabulary."""
+        bad = next((t for t in params.logit_bias if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
@@ -186,9 +193,10 @@ class LLMEngine:
                     failed[batch[i][0].request_id] = err
             return sampled
 
-    @staticmethod
-    def _sample_rows(batch, rows, index: list[int]) -> dict[int, list[tuple[int, float]]]:
-        tokens, logprobs = sample(torch.stack([rows[i][-1] for i in index]), [batch[i][0].params for i in index], [batch[i][0].generator for i in index])
+    def _sample_rows(self, batch, rows, index: list[int]) -> dict[int, list[tuple[int, float]]]:
+        seqs = [batch[i][0] for i in index]
+        logits = torch.stack([rows[i][-1] for i in index])
+        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], seqs, self.eos_token_ids)
         return {i: [(t, lp)] for i, t, lp in zip(index, tokens.tolist(), logprobs.tolist())}
 
     def _advance(self, seq: Sequence, n: int, drafts: list[int], rows: torch.Tensor, emitted: list[tuple[int, float]] | None) -> None:

@@ -50,7 +50,8 @@ def export_prefill(engine: LLMEngine, prompt: str | list[int], params: SamplingP
 
     Other requests in flight keep stepping meanwhile; the sequence's blocks are released after the
     copy, taken just before its finish frees them (its prefix stays in the prefix cache)."""
-    request_id = engine.add_request(prompt, params.model_copy(update={"n": 1, "max_tokens": 1, "stop": [], "stop_token_ids": []}))
+    # stop_token_ids stay: min_tokens holds them off the first token too (a stop token ends a 1-token request either way).
+    request_id = engine.add_request(prompt, params.model_copy(update={"n": 1, "max_tokens": 1, "stop": []}))
     seq = engine.requests[request_id][0]
     exported: list[torch.Tensor] = []
     seq.on_finish = lambda s: exported.append(engine.runner.read_kv(s.block_table, s.num_prompt_tokens))
@@ -69,6 +70,7 @@ def import_prefilled(engine: LLMEngine, payload: KVPayload, params: SamplingPara
     holds its KV blocks from now on and decodes from its first token (which may already finish it)."""
     payload.check_compatible(engine.runner.kv_layout)
     engine.check_prompt(payload.prompt_token_ids + [payload.first_token], params.max_tokens - 1)
+    engine.check_params(params)
     if params.n != 1:
         raise ValueError("a prefilled request carries one sample (n=1)")
     engine.scheduler.check_room(1)

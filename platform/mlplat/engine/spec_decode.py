@@ -7,6 +7,10 @@ token: output identical to plain greedy. Sampled requests use rejection sampling
 (Leviathan et al., 2023) with deterministic drafts (q one-hot at the draft token):
 accept d with probability p(d), else sample from p with d removed; the output
 distribution is exactly the target's. Either way every step emits at least one token.
+
+Requests whose logits are adjusted before sampling (logit_bias, min_tokens, penalties: see
+``sampling``) do not speculate: their adjustment at each draft's position would depend on the
+drafts before it. min-p is part of ``sampling_probs``, which rejection sampling uses: those do.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import torch
 
 from mlplat.engine.block_manager import BlockManager
 from mlplat.engine.config import EngineConfig, SpeculativeConfig
-from mlplat.engine.sampling import SamplingParams, probs
+from mlplat.engine.sampling import SamplingParams, sampling_probs
 from mlplat.engine.sequence import Sequence
 
 
@@ -29,16 +33,16 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, gene
                 return out + [target[j]]
             out.append(d)
         return out + [target[len(drafts)]]
+    probs = sampling_probs(logits.float(), [params] * len(logits))
     out = []
     for j, d in enumerate(drafts):
-        p = probs(logits[j], params)
-        if torch.rand((), generator=generator, device=p.device) < p[d]:
+        if torch.rand((), generator=generator, device=probs.device) < probs[j, d]:
             out.append(d)
             continue
-        residual = p.clone()
+        residual = probs[j].clone()
         residual[d] = 0.0
         return out + [int(torch.multinomial(residual / residual.sum(), 1, generator=generator))]
-    return out + [int(torch.multinomial(probs(logits[len(drafts)], params), 1, generator=generator))]
+    return out + [int(torch.multinomial(probs[len(drafts)], 1, generator=generator))]
 
 
 class NgramDrafter:
@@ -148,7 +152,11 @@ class Speculator:
         """Draft tokens per scheduled sequence ([] where none)."""
         self.drafter.retain(live_seq_ids)
         drafts: list[list[int]] = [[] for _ in batch]
-        decoding = [i for i, (s, n) in enumerate(batch) if s.num_output_tokens > 0 and s.num_computed_tokens + n == len(s)]
+        # Decoding sequences only, and none whose logits are adjusted before sampling (see the module's docstring).
+        decoding = [
+            i for i, (s, n) in enumerate(batch)
+            if s.num_output_tokens > 0 and s.num_computed_tokens + n == len(s) and not s.params.adjusts_logits
+        ]  # fmt: skip
         budgets = [min(self.k, s.params.max_tokens - s.num_output_tokens - 1, self.max_model_len - len(s) - 1) for s in (batch[i][0] for i in decoding)]
         for i, d in zip(decoding, self.drafter.propose([batch[i][0] for i in decoding], budgets)):
             seq, n = batch[i]
