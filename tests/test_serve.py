@@ -3,6 +3,7 @@ real `openai` client: PD-disaggregated and colocated apps side by side."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import httpx
@@ -101,6 +102,15 @@ def test_chat_streaming_logprobs_and_stop(apps):
         ({"model": "tiny", "prompt": "hi", "temperature": -1}, "temperature"),
         ({"model": "tiny", "prompt": "hi", "n": 100}, "n"),
         ({"model": "tiny", "prompt": ""}, "prompt"),
+        ({"model": "tiny", "prompt": "hi", "suffix": "!"}, "suffix"),  # not supported: refused, never dropped
+        ({"model": "tiny", "prompt": "hi", "logprobs": 3}, "logprobs"),  # top alternatives are not returned
+        ({"model": "tiny", "prompt": "hi", "logit_bias": {"99999": 5}}, "logit_bias"),  # outside the vocabulary
+        ({"model": "tiny", "prompt": "hi", "logit_bias": {"5": 500}}, "logit_bias"),
+        ({"model": "tiny", "prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"model": "tiny", "prompt": "hi", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+        ({"model": "tiny", "prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
+        ({"model": "tiny", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"model": "tiny", "prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),  # without stream
     ],
 )
 def test_bad_completion_requests_are_400_naming_the_field(apps, body, param):
@@ -112,11 +122,76 @@ def test_bad_completion_requests_are_400_naming_the_field(apps, body, param):
 
 @pytest.mark.parametrize(
     "body, param",
-    [({"model": "tiny", "messages": []}, "messages"), ({"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, "role")],
+    [
+        ({"model": "tiny", "messages": []}, "messages"),
+        ({"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, "role"),
+        ({"model": "tiny", "messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"model": "tiny", "messages": CHAT, "tools": []}, "tools"),
+        ({"model": "tiny", "messages": CHAT, "top_logprobs": 2, "logprobs": True}, "top_logprobs"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "content"),
+    ],
 )
 def test_bad_chat_requests_are_400(apps, body, param):
     r = httpx.post(f"{apps['pd']}/chat/completions", json=body, timeout=60)
     assert r.status_code == 400 and param in r.json()["error"]["message"]
+
+
+def test_the_clients_fields_are_each_handled_or_refused_by_name():
+    """Every field the openai client can send: a field of our request model (honoured, or accepted with no effect on the
+    output: NO_EFFECT), or refused by name, never dropped without a word."""
+    from openai.types import completion_create_params
+    from openai.types.chat import completion_create_params as chat_create_params
+    from pydantic import ValidationError
+
+    from mlplat.serve.openai_protocol import NO_EFFECT, ChatCompletionRequest, CompletionRequest
+
+    required = {CompletionRequest: {"model": "tiny", "prompt": "hi"}, ChatCompletionRequest: {"model": "tiny", "messages": CHAT}}
+    for model, params in ((CompletionRequest, completion_create_params), (ChatCompletionRequest, chat_create_params)):
+        assert NO_EFFECT <= model.model_fields.keys()
+        for name in params.CompletionCreateParamsBase.__annotations__:
+            if name in model.model_fields:
+                continue
+            with pytest.raises(ValidationError) as refused:
+                model.model_validate({**required[model], name: None})
+            assert [(e["type"], e["loc"]) for e in refused.value.errors()] == [("extra_forbidden", (name,))], name
+
+
+def test_sampling_fields_take_effect(apps, tiny_model):
+    from mlplat.models import load_tokenizer
+
+    c = client(apps, "pd")
+    greedy = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    # top_k = 1 is greedy, whatever the temperature.
+    top1 = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, temperature=1.0, seed=3, extra_body={"ignore_eos": True, "top_k": 1})
+    assert top1.choices[0].message.content == greedy.choices[0].message.content
+    # A bias of 100 on one token: only that token, sampled or greedy.
+    token = load_tokenizer(tiny_model).encode("7", add_special_tokens=False)[0]
+    for temperature in (0.0, 1.0):
+        biased = c.completions.create(model="tiny", prompt="hi", max_tokens=5, temperature=temperature, logit_bias={str(token): 100},
+                                      logprobs=0, extra_body={"ignore_eos": True})  # fmt: skip
+        assert biased.choices[0].logprobs.tokens == ["7"] * 5, biased.choices[0]
+    # max_completion_tokens (chat's newer name) bounds the answer; content as text parts and the developer role read as a
+    # string and the system role.
+    capped = c.chat.completions.create(model="tiny", messages=CHAT, max_completion_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    assert capped.usage.completion_tokens == 3
+    system = [{"role": "system", "content": "Be brief."}, *CHAT]
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+             {"role": "user", "content": [{"type": "text", "text": CHAT[0]["content"]}]}]  # fmt: skip
+    answers = [c.chat.completions.create(model="tiny", messages=m, max_tokens=8, temperature=0).choices[0].message.content for m in (system, parts)]
+    assert answers[0] == answers[1]
+    # stream_options.include_usage: a last chunk with the usage and no choices.
+    chunks = list(c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))  # fmt: skip
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+    assert chunks[-1].usage.prompt_tokens == greedy.usage.prompt_tokens and all(ch.usage is None for ch in chunks[:-1])
+    # Without max_tokens: OpenAI's defaults, 16 tokens for a completion, the rest of the context for a chat answer.
+    assert c.completions.create(model="tiny", prompt="hi", temperature=0, extra_body={"ignore_eos": True}).usage.completion_tokens == 16
+    too_long = httpx.post(f"{apps['pd']}/chat/completions", json={"model": "tiny", "messages": CHAT, "max_tokens": 100_000}, timeout=60)
+    context = int(re.search(r"context of (\d+) tokens", too_long.json()["error"]["message"]).group(1))
+    whole = c.chat.completions.create(model="tiny", messages=CHAT, temperature=0, extra_body={"ignore_eos": True})
+    assert whole.usage.prompt_tokens + whole.usage.completion_tokens == context and whole.choices[0].finish_reason == "length"
+    # Fields with no effect on the output are accepted.
+    assert c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, user="u1", metadata={"k": "v"}, store=False).choices
 
 
 def test_invalid_json_is_400(apps):

@@ -99,7 +99,8 @@ class ServeConfig(Config):
     # round_robin takes the replicas in turn (no affinity): the benchmark's baseline, or for uniform traffic
     prefill_router: Literal["prefix_aware", "round_robin"] = "prefix_aware"
     ingress: ReplicaConfig = ReplicaConfig(num_cpus=0.5)
-    default_max_tokens: int = Field(256, ge=1)  # engine: native: max_tokens of requests that give none
+    # engine: native: max_tokens of requests that give none; None: OpenAI's (chat: the rest of the context; completions: 16)
+    default_max_tokens: int | None = Field(None, ge=1)
     # engine: native: a request still running this long after it arrived ends with 504 (an error event
     # in a stream) and its KV blocks are freed.
     request_timeout_s: float = Field(600.0, gt=0)

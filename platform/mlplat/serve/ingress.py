@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
@@ -65,7 +66,12 @@ async def _validation_error(request: Request, err: RequestValidationError):
     first = err.errors()[0]
     loc = [str(p) for p in first["loc"] if p != "body"]
     param = ".".join(loc) or None
-    message = "request body is not valid JSON" if first["type"] == "json_invalid" else f"{param}: {first['msg']}"
+    if first["type"] == "json_invalid":
+        message = "request body is not valid JSON"
+    elif first["type"] == "extra_forbidden":  # a field the server does not handle: refused, never silently dropped
+        message = f"{param}: not supported by this server; leave it out (docs/serving.md lists the supported fields)"
+    else:
+        message = f"{param}: {first['msg']}"
     return _error_response(request, 400, error_body(message, param), "invalid_request")
 
 
@@ -131,7 +137,7 @@ class Detokenizer:
 @serve.deployment  # limits and health checks: serve_apps.llm.build_app, from mlplat.serve.admission
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, model_dir: str, model_name: str, mode: str, default_max_tokens: int, max_model_len: int, vocab_size: int,
+    def __init__(self, model_dir: str, model_name: str, mode: str, default_max_tokens: int | None, max_model_len: int, vocab_size: int,
                  request_timeout_s: float, max_sequences_in_flight: int, gate: Gatekeeper, llm=None, prefill=None, decode=None):
         self.tokenizer = load_tokenizer(model_dir)
         self.model_name, self.mode = model_name, mode
@@ -177,8 +183,7 @@ class OpenAIIngress:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self._authorize(request)
         self._check_model(body.model)
-        messages = [m.model_dump() for m in body.messages]
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(body.template_messages(), tokenize=False, add_generation_prompt=True)
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
         return await self._respond(body, prompt_ids, chat=True, logprobs=body.logprobs, request=request)
 
@@ -196,7 +201,19 @@ class OpenAIIngress:
             raise APIError(404, f"model {model!r} is not served here; available: [{self.model_name!r}]", "model", "model_not_found")
 
     async def _respond(self, body, prompt_ids: list[int], chat: bool, logprobs: bool, request: Request):
-        params = body.sampling_params(self.default_max_tokens, logprobs)
+        try:
+            # OpenAI's defaults unless the config sets one: a chat answer may fill the context, a completion is 16 tokens
+            default_max_tokens = self.default_max_tokens or (max(1, self.max_model_len - len(prompt_ids)) if chat else 16)
+            params = body.sampling_params(default_max_tokens, logprobs)
+        except ValidationError as err:  # fields valid alone, not together (e.g. min_tokens > max_tokens)
+            first = err.errors()[0]
+            param = ".".join(str(p) for p in first["loc"]) or None
+            raise APIError(400, f"{param or 'request'}: {first['msg']}", param) from None
+        bad = next((t for t in [*params.logit_bias, *params.stop_token_ids] if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            param = "logit_bias" if bad in params.logit_bias else "stop_token_ids"
+            message = f"{param}: token id {bad} is outside the model's vocabulary [0, {self.vocab_size})"
+            raise APIError(400, message, param, "invalid_token_id")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             param = "max_tokens" if len(prompt_ids) < self.max_model_len else ("messages" if chat else "prompt")
             raise APIError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
@@ -220,7 +237,8 @@ class OpenAIIngress:
                 raise self._as_api_error(err) from None
             timer.on_delta(first["index"], len(first["token_ids"]))
             if body.stream:
-                sse = self._sse(first, deltas, params, request_id, chat, timer, len(prompt_ids))
+                include_usage = body.stream_options is not None and body.stream_options.include_usage
+                sse = self._sse(first, deltas, params, request_id, chat, timer, len(prompt_ids), include_usage)
                 streaming = True  # the stream gives the sequences back when it ends
                 return StreamingResponse(self._releasing(sse, params.n), media_type="text/event-stream")
             return await self._collect(first, deltas, params, prompt_ids, request_id, chat, timer)
@@ -305,15 +323,18 @@ class OpenAIIngress:
         async for d in stream:
             yield d
 
-    async def _sse(self, first, deltas, params, request_id: str, chat: bool, timer: RequestTimer, prompt_tokens: int):
+    async def _sse(self, first, deltas, params, request_id: str, chat: bool, timer: RequestTimer, prompt_tokens: int,
+                   include_usage: bool = False):  # fmt: skip
         detok = {i: Detokenizer(self.tokenizer, params.stop) for i in range(params.n)}
         base = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": now(), "model": self.model_name}
         if chat:
             for i in range(params.n):
                 yield sse_event({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+        completion_tokens = 0
         try:
             d = first
             while True:
+                completion_tokens += len(d["token_ids"])
                 text = detok[d["index"]].push(d["token_ids"]) if d["finish_reason"] is None else detok[d["index"]].finish(d["text"])
                 if text or d["finish_reason"]:
                     choice = {"index": d["index"], "finish_reason": d["finish_reason"]}
@@ -324,6 +345,9 @@ class OpenAIIngress:
                     break
                 timer.on_delta(d["index"], len(d["token_ids"]))
             timer.finish(prompt_tokens)
+            if include_usage:
+                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+                yield sse_event({**base, "choices": [], "usage": usage | {"total_tokens": prompt_tokens + completion_tokens}})
         except Exception as err:  # noqa: BLE001  (mid-stream: report in-band, then end the stream)
             e = self._as_api_error(err)
             metrics.SERVE_REJECTIONS.inc(model=self.model_name, reason=e.reason)

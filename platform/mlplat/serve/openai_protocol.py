@@ -4,54 +4,127 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mlplat.engine import SamplingParams
 
 MAX_N = 8
+MAX_STOP = 4  # stop strings per request (OpenAI's limit)
+MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
+
+# Fields an OpenAI client may send that change nothing in this server's responses: accepted and ignored,
+# as vLLM does (docs/serving.md lists them). Any other field the server does not handle is a 400 naming it.
+NO_EFFECT = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "prompt_cache_retention", "safety_identifier"}
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]  # images, audio and files: this server serves text models
+    text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart]
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def for_template(self) -> dict:
+        """The message as chat templates take it: text parts joined; ``developer`` (OpenAI's newer name for
+        the instructions role, which templates do not know) as ``system``."""
+        content = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        return message | {k: v for k, v in (("name", self.name), ("tool_call_id", self.tool_call_id)) if v is not None}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False  # a last chunk with the usage and no choices
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (e.g. user)
+    # A field this server does not handle is refused by name (the ingress turns extra_forbidden into a 400),
+    # never silently dropped: a client asking for e.g. response_format must not get a 200 without it.
+    model_config = ConfigDict(extra="forbid")
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N)
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: Annotated[dict[int, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None  # token id (a string in JSON) -> bias
+    # vLLM's extra sampling fields (the openai client's extra_body)
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    # accepted, no effect on the output (NO_EFFECT)
+    user: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_retention: Any = None
+    safety_identifier: Any = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_with_a_stream(cls, value, info):
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("only allowed with stream: true")
+        return value
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
 
     def sampling_params(self, default_max_tokens: int, logprobs: bool) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        controls = {"presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                    "repetition_penalty": self.repetition_penalty, "logit_bias": self.logit_bias or {}, "min_p": self.min_p,
+                    "min_tokens": self.min_tokens}  # fmt: skip
         return SamplingParams(
-            max_tokens=self.max_tokens or default_max_tokens,
+            max_tokens=self.requested_max_tokens() or default_max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
+            top_k=self.top_k,
             n=self.n,
             seed=self.seed,
             stop=stop,
+            stop_token_ids=self.stop_token_ids or [],
+            ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            # only what differs from the engine's defaults, so requests that use none of them build plain params
+            **{k: v for k, v in controls.items() if v != SamplingParams.model_fields[k].default},
         )
 
 
 class CompletionRequest(_Common):
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
-    logprobs: int | None = Field(None, ge=0, le=5)  # we return the chosen token's log-prob only
+    logprobs: int | None = Field(None, ge=0, le=0)  # 0: the chosen tokens' log-probs; top alternatives are not returned
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=5)  # accepted; only the chosen token's log-prob is returned
+    top_logprobs: int | None = Field(None, ge=0, le=0)  # top alternatives are not returned; 0 or unset
+    parallel_tool_calls: Any = None  # no effect without tools (which are refused)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def template_messages(self) -> list[dict]:
+        return [m.for_template() for m in self.messages]
 
 
 def error_body(message: str, param: str | None = None, code: str | None = None, type_: str = "invalid_request_error") -> dict:
