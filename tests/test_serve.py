@@ -156,13 +156,32 @@ def test_the_clients_fields_are_each_handled_or_refused_by_name():
             assert [(e["type"], e["loc"]) for e in refused.value.errors()] == [("extra_forbidden", (name,))], name
 
 
+def test_the_checkpoints_generation_config_sets_the_defaults_a_request_leaves_unset(tmp_path):
+    import json
+
+    from mlplat.serve.openai_protocol import ChatCompletionRequest, generation_defaults
+
+    config = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "max_new_tokens": 64,
+              "eos_token_id": 2}  # fmt: skip
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    defaults = generation_defaults(tmp_path)
+    assert defaults == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "max_tokens": 64}
+    plain = ChatCompletionRequest(model="tiny", messages=CHAT).sampling_params(100, False, defaults)
+    assert (plain.temperature, plain.top_p, plain.top_k, plain.repetition_penalty, plain.max_tokens) == (0.7, 0.8, 20, 1.05, 100)
+    own = ChatCompletionRequest(model="tiny", messages=CHAT, temperature=0, top_k=-1).sampling_params(100, False, defaults)
+    assert (own.temperature, own.top_k, own.top_p) == (0, -1, 0.8)  # the request's values win, field by field
+    assert generation_defaults(tmp_path / "no-such-checkpoint") == {}
+    assert ChatCompletionRequest(model="tiny", messages=CHAT).sampling_params(100, False, {}).temperature == 1.0
+
+
 def test_sampling_fields_take_effect(apps, tiny_model):
     from mlplat.models import load_tokenizer
 
     c = client(apps, "pd")
     greedy = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
     # top_k = 1 is greedy, whatever the temperature.
-    top1 = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, temperature=1.0, seed=3, extra_body={"ignore_eos": True, "top_k": 1})
+    top1 = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, temperature=1.0, seed=3,
+                                     extra_body={"ignore_eos": True, "top_k": 1})  # fmt: skip
     assert top1.choices[0].message.content == greedy.choices[0].message.content
     # A bias of 100 on one token: only that token, sampled or greedy.
     token = load_tokenizer(tiny_model).encode("7", add_special_tokens=False)[0]
@@ -177,7 +196,8 @@ def test_sampling_fields_take_effect(apps, tiny_model):
     system = [{"role": "system", "content": "Be brief."}, *CHAT]
     parts = [{"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
              {"role": "user", "content": [{"type": "text", "text": CHAT[0]["content"]}]}]  # fmt: skip
-    answers = [c.chat.completions.create(model="tiny", messages=m, max_tokens=8, temperature=0).choices[0].message.content for m in (system, parts)]
+    answers = [c.chat.completions.create(model="tiny", messages=m, max_tokens=8, temperature=0).choices[0].message.content
+               for m in (system, parts)]  # fmt: skip
     assert answers[0] == answers[1]
     # stream_options.include_usage: a last chunk with the usage and no choices.
     chunks = list(c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, temperature=0, stream=True,
@@ -305,6 +325,7 @@ def test_unknown_model_and_route_are_404_and_health_is_200(apps):
         openai_error(httpx.post(f"{apps[mode]}/completions", json={"model": "nope", "prompt": "hi"}, headers=headers, timeout=60),
                      404, "model_not_found")  # fmt: skip
         openai_error(httpx.post(f"{apps[mode]}/embeddings", json={"model": "tiny", "input": "hi"}, headers=headers, timeout=60), 404)
+        openai_error(httpx.post(f"{apps[mode]}/responses", json={"model": "tiny", "input": "hi"}, headers=headers, timeout=60), 404)
         openai_error(httpx.get(f"{apps[mode]}/completions", headers=headers, timeout=60), 405)
         root = apps[mode].removesuffix("/v1")
         assert httpx.get(f"{root}/health", timeout=60).json() == {"status": "ok"}

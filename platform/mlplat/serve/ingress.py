@@ -29,7 +29,7 @@ from mlplat.observability.logs import RequestIdMiddleware, current_request_id, r
 from mlplat.observability.serving import RequestTimer, rejection_reason
 from mlplat.serve.async_engine import DeadlineExceededError, EngineDeadError
 from mlplat.serve.auth import Denied, Gatekeeper
-from mlplat.serve.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body, new_id, now
+from mlplat.serve.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body, generation_defaults, new_id, now
 
 app = FastAPI(title="mlplat OpenAI-compatible API")
 log = logging.getLogger("mlplat.serve")
@@ -140,6 +140,7 @@ class OpenAIIngress:
     def __init__(self, model_dir: str, model_name: str, mode: str, default_max_tokens: int | None, max_model_len: int, vocab_size: int,
                  request_timeout_s: float, max_sequences_in_flight: int, gate: Gatekeeper, llm=None, prefill=None, decode=None):
         self.tokenizer = load_tokenizer(model_dir)
+        self.generation_defaults = generation_defaults(model_dir)
         self.model_name, self.mode = model_name, mode
         self.default_max_tokens, self.max_model_len, self.vocab_size = default_max_tokens, max_model_len, vocab_size
         self.request_timeout_s = request_timeout_s
@@ -202,9 +203,10 @@ class OpenAIIngress:
 
     async def _respond(self, body, prompt_ids: list[int], chat: bool, logprobs: bool, request: Request):
         try:
-            # OpenAI's defaults unless the config sets one: a chat answer may fill the context, a completion is 16 tokens
-            default_max_tokens = self.default_max_tokens or (max(1, self.max_model_len - len(prompt_ids)) if chat else 16)
-            params = body.sampling_params(default_max_tokens, logprobs)
+            # The config's, else the checkpoint's, else OpenAI's: a chat answer may fill the context, a completion is 16 tokens.
+            default_max_tokens = (self.default_max_tokens or self.generation_defaults.get("max_tokens")
+                                  or (max(1, self.max_model_len - len(prompt_ids)) if chat else 16))  # fmt: skip
+            params = body.sampling_params(default_max_tokens, logprobs, self.generation_defaults)
         except ValidationError as err:  # fields valid alone, not together (e.g. min_tokens > max_tokens)
             first = err.errors()[0]
             param = ".".join(str(p) for p in first["loc"]) or None

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -17,6 +19,19 @@ MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
 # Fields an OpenAI client may send that change nothing in this server's responses: accepted and ignored,
 # as vLLM does (docs/serving.md lists them). Any other field the server does not handle is a 400 naming it.
 NO_EFFECT = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "prompt_cache_retention", "safety_identifier"}
+
+
+# A checkpoint's generation_config.json keys that set sampling defaults, as vLLM reads them (its
+# --generation-config auto): the checkpoint's recommended values for requests that do not say.
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}  # fmt: skip
+
+
+def generation_defaults(model_dir: str | Path) -> dict:
+    """The sampling defaults a checkpoint's generation_config.json sets (request field -> value); {} without one."""
+    path = Path(model_dir) / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    return {field: config[key] for key, field in GENERATION_DEFAULTS.items() if config.get(key) is not None}
 
 
 class TextPart(BaseModel):
@@ -87,16 +102,20 @@ class _Common(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def sampling_params(self, default_max_tokens: int, logprobs: bool) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int, logprobs: bool, defaults: dict | None = None) -> SamplingParams:
+        """The engine's parameters: the request's fields, and for those it leaves unset ``defaults`` (the
+        checkpoint's generation_config.json: ``generation_defaults``), else the fields' own defaults."""
+        given = {name: getattr(self, name) for name in self.model_fields_set}
+        field = {**(defaults or {}), **given}.get
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         controls = {"presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                    "repetition_penalty": self.repetition_penalty, "logit_bias": self.logit_bias or {}, "min_p": self.min_p,
-                    "min_tokens": self.min_tokens}  # fmt: skip
+                    "repetition_penalty": field("repetition_penalty", 1.0), "logit_bias": self.logit_bias or {},
+                    "min_p": field("min_p", 0.0), "min_tokens": self.min_tokens}  # fmt: skip
         return SamplingParams(
             max_tokens=self.requested_max_tokens() or default_max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
+            temperature=field("temperature", 1.0),
+            top_p=field("top_p", 1.0),
+            top_k=field("top_k", -1),
             n=self.n,
             seed=self.seed,
             stop=stop,
