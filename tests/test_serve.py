@@ -111,6 +111,9 @@ def test_chat_streaming_logprobs_and_stop(apps):
         ({"model": "tiny", "prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
         ({"model": "tiny", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"model": "tiny", "prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+        ({"model": "tiny", "prompt": [[5, 6], [7, 99999]]}, "prompt.1.1"),  # the second prompt's second token id
+        ({"model": "tiny", "prompt": ["a", "b"], "stream": True}, "prompt"),
+        ({"model": "tiny", "prompt": ["hi"] * 65}, "prompt"),
     ],
 )
 def test_bad_completion_requests_are_400_naming_the_field(apps, body, param):
@@ -210,6 +213,14 @@ def test_sampling_fields_take_effect(apps, tiny_model):
     context = int(re.search(r"context of (\d+) tokens", too_long.json()["error"]["message"]).group(1))
     whole = c.chat.completions.create(model="tiny", messages=CHAT, temperature=0, extra_body={"ignore_eos": True})
     assert whole.usage.prompt_tokens + whole.usage.completion_tokens == context and whole.choices[0].finish_reason == "length"
+    # A list of prompts: choice i * n + j is prompt i's sample j, usage summed; each choice as its prompt alone gives it.
+    batch = c.completions.create(model="tiny", prompt=["hi", "What is 1 + 2?", "ok"], n=2, max_tokens=4, temperature=0)
+    alone = [c.completions.create(model="tiny", prompt=p, max_tokens=4, temperature=0) for p in ("hi", "What is 1 + 2?", "ok")]
+    assert [ch.index for ch in batch.choices] == list(range(6))
+    assert [ch.text for ch in batch.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    ids = c.completions.create(model="tiny", prompt=[[5, 6, 7], [8, 9]], max_tokens=2, temperature=0)
+    assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
     # Fields with no effect on the output are accepted.
     assert c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, user="u1", metadata={"k": "v"}, store=False).choices
 

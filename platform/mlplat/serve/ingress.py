@@ -170,15 +170,32 @@ class OpenAIIngress:
     async def completions(self, body: CompletionRequest, request: Request):
         self._authorize(request)
         self._check_model(body.model)
-        if isinstance(body.prompt, list):
-            prompt_ids = body.prompt
-            bad = next((i for i, t in enumerate(prompt_ids) if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise APIError(400, f"prompt[{bad}]: token id {prompt_ids[bad]} is outside the model's vocabulary [0, {self.vocab_size})",
-                               f"prompt.{bad}", "invalid_token_id")  # fmt: skip
-        else:
-            prompt_ids = self.tokenizer.encode(body.prompt, add_special_tokens=False)
-        return await self._respond(body, prompt_ids, chat=False, logprobs=body.logprobs is not None, request=request)
+        prompts = body.prompts()
+        many = len(prompts) > 1 or prompts[0] is not body.prompt
+        ids = [self._prompt_ids(p, f"prompt.{i}." if many else "prompt.") for i, p in enumerate(prompts)]
+        if not many:
+            return await self._respond(body, ids[0], chat=False, logprobs=body.logprobs is not None, request=request)
+        if body.stream:
+            raise APIError(400, "prompt: a list of prompts is served without stream only; send one request per prompt to stream", "prompt")
+        # Every prompt's samples in one response, choice i * n + j being prompt i's sample j (as OpenAI and vLLM).
+        logprobs = body.logprobs is not None
+        parts = await asyncio.gather(*(self._respond(body, p, chat=False, logprobs=logprobs, request=request) for p in ids), return_exceptions=True)
+        failed = next((p for p in parts if isinstance(p, BaseException)), None)
+        if failed is not None:
+            raise failed
+        usage = {key: sum(p["usage"][key] for p in parts) for key in parts[0]["usage"]}
+        choices = [{**c, "index": i * body.n + c["index"]} for i, p in enumerate(parts) for c in p["choices"]]
+        return {**parts[0], "choices": choices, "usage": usage}
+
+    def _prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
+        """A completions prompt as token ids; ids outside the vocabulary are a 400 naming the position."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        bad = next((i for i, t in enumerate(prompt) if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"{param}{bad}: token id {prompt[bad]} is outside the model's vocabulary [0, {self.vocab_size})",
+                           f"{param}{bad}", "invalid_token_id")  # fmt: skip
+        return prompt
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):

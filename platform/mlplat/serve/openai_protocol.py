@@ -15,6 +15,7 @@ from mlplat.engine import SamplingParams
 MAX_N = 8
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
+MAX_PROMPTS = 64  # prompts in one completions request
 
 # Fields an OpenAI client may send that change nothing in this server's responses: accepted and ignored,
 # as vLLM does (docs/serving.md lists them). Any other field the server does not handle is a 400 naming it.
@@ -127,9 +128,20 @@ class _Common(BaseModel):
         )
 
 
+Prompt = Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]  # text, or token ids
+
+
 class CompletionRequest(_Common):
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
+    # one prompt, or several (OpenAI's batch form: choice i * n + j is prompt i's sample j)
+    prompt: Prompt | Annotated[list[Annotated[str, Field(min_length=1)]] | list[Annotated[list[int], Field(min_length=1)]],
+                               Field(min_length=1, max_length=MAX_PROMPTS)]  # fmt: skip
     logprobs: int | None = Field(None, ge=0, le=0)  # 0: the chosen tokens' log-probs; top alternatives are not returned
+
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or each of a list."""
+        one = isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int))
+        return [self.prompt] if one else list(self.prompt)
 
 
 class ChatCompletionRequest(_Common):
