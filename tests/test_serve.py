@@ -114,6 +114,7 @@ def test_chat_streaming_logprobs_and_stop(apps):
         ({"model": "tiny", "prompt": [[5, 6], [7, 99999]]}, "prompt.1.1"),  # the second prompt's second token id
         ({"model": "tiny", "prompt": ["a", "b"], "stream": True}, "prompt"),
         ({"model": "tiny", "prompt": ["hi"] * 65}, "prompt"),
+        ({"model": "tiny", "prompt": "hi", "logprobs": 0, "echo": True}, "echo"),
     ],
 )
 def test_bad_completion_requests_are_400_naming_the_field(apps, body, param):
@@ -221,6 +222,13 @@ def test_sampling_fields_take_effect(apps, tiny_model):
     assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
     ids = c.completions.create(model="tiny", prompt=[[5, 6, 7], [8, 9]], max_tokens=2, temperature=0)
     assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
+    # echo: the prompt's text before the completion, streamed first.
+    plain = c.completions.create(model="tiny", prompt="What is 1 + 2?", max_tokens=4, temperature=0)
+    echoed = c.completions.create(model="tiny", prompt="What is 1 + 2?", max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == "What is 1 + 2?" + plain.choices[0].text
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(model="tiny", prompt="What is 1 + 2?", max_tokens=4, temperature=0,
+                                                                         echo=True, stream=True) if ch.choices)  # fmt: skip
+    assert streamed == echoed.choices[0].text
     # Fields with no effect on the output are accepted.
     assert c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, user="u1", metadata={"k": "v"}, store=False).choices
 

@@ -174,18 +174,24 @@ class OpenAIIngress:
         many = len(prompts) > 1 or prompts[0] is not body.prompt
         ids = [self._prompt_ids(p, f"prompt.{i}." if many else "prompt.") for i, p in enumerate(prompts)]
         if not many:
-            return await self._respond(body, ids[0], chat=False, logprobs=body.logprobs is not None, request=request)
+            return await self._respond(body, ids[0], chat=False, logprobs=body.logprobs is not None, request=request,
+                                       echo=self._echo(body, prompts[0], ids[0]))  # fmt: skip
         if body.stream:
             raise APIError(400, "prompt: a list of prompts is served without stream only; send one request per prompt to stream", "prompt")
         # Every prompt's samples in one response, choice i * n + j being prompt i's sample j (as OpenAI and vLLM).
         logprobs = body.logprobs is not None
-        parts = await asyncio.gather(*(self._respond(body, p, chat=False, logprobs=logprobs, request=request) for p in ids), return_exceptions=True)
+        parts = await asyncio.gather(*(self._respond(body, i, chat=False, logprobs=logprobs, request=request, echo=self._echo(body, p, i))
+                                       for p, i in zip(prompts, ids)), return_exceptions=True)  # fmt: skip
         failed = next((p for p in parts if isinstance(p, BaseException)), None)
         if failed is not None:
             raise failed
         usage = {key: sum(p["usage"][key] for p in parts) for key in parts[0]["usage"]}
         choices = [{**c, "index": i * body.n + c["index"]} for i, p in enumerate(parts) for c in p["choices"]]
         return {**parts[0], "choices": choices, "usage": usage}
+
+    def _echo(self, body: CompletionRequest, prompt: str | list[int], ids: list[int]) -> str:
+        """What ``echo`` puts before the completion: the prompt's text ("" without echo)."""
+        return "" if not body.echo else prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
 
     def _prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
         """A completions prompt as token ids; ids outside the vocabulary are a 400 naming the position."""
@@ -218,7 +224,7 @@ class OpenAIIngress:
         if model != self.model_name:
             raise APIError(404, f"model {model!r} is not served here; available: [{self.model_name!r}]", "model", "model_not_found")
 
-    async def _respond(self, body, prompt_ids: list[int], chat: bool, logprobs: bool, request: Request):
+    async def _respond(self, body, prompt_ids: list[int], chat: bool, logprobs: bool, request: Request, echo: str = ""):
         try:
             # The config's, else the checkpoint's, else OpenAI's: a chat answer may fill the context, a completion is 16 tokens.
             default_max_tokens = (self.default_max_tokens or self.generation_defaults.get("max_tokens")
@@ -257,10 +263,10 @@ class OpenAIIngress:
             timer.on_delta(first["index"], len(first["token_ids"]))
             if body.stream:
                 include_usage = body.stream_options is not None and body.stream_options.include_usage
-                sse = self._sse(first, deltas, params, request_id, chat, timer, len(prompt_ids), include_usage)
+                sse = self._sse(first, deltas, params, request_id, chat, timer, len(prompt_ids), include_usage, echo)
                 streaming = True  # the stream gives the sequences back when it ends
                 return StreamingResponse(self._releasing(sse, params.n), media_type="text/event-stream")
-            return await self._collect(first, deltas, params, prompt_ids, request_id, chat, timer)
+            return await self._collect(first, deltas, params, prompt_ids, request_id, chat, timer, echo)
         finally:
             if not streaming:
                 self.sequences_in_flight -= params.n
@@ -343,12 +349,15 @@ class OpenAIIngress:
             yield d
 
     async def _sse(self, first, deltas, params, request_id: str, chat: bool, timer: RequestTimer, prompt_tokens: int,
-                   include_usage: bool = False):  # fmt: skip
+                   include_usage: bool = False, echo: str = ""):  # fmt: skip
         detok = {i: Detokenizer(self.tokenizer, params.stop) for i in range(params.n)}
         base = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": now(), "model": self.model_name}
         if chat:
             for i in range(params.n):
                 yield sse_event({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+        elif echo:
+            for i in range(params.n):
+                yield sse_event({**base, "choices": [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}]})
         completion_tokens = 0
         try:
             d = first
@@ -375,7 +384,7 @@ class OpenAIIngress:
             yield sse_event({"error": {**error_body(e.message, e.param, e.code, type_)["error"], "request_id": current_request_id()}})
         yield "data: [DONE]\n\n"
 
-    async def _collect(self, first, deltas, params, prompt_ids, request_id: str, chat: bool, timer: RequestTimer):
+    async def _collect(self, first, deltas, params, prompt_ids, request_id: str, chat: bool, timer: RequestTimer, echo: str = ""):
         tokens = {i: [] for i in range(params.n)}
         logprobs = {i: [] for i in range(params.n)}
         final = {}
@@ -399,7 +408,7 @@ class OpenAIIngress:
             if chat:
                 choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": reason})
             else:
-                choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason})
+                choices.append({"index": i, "text": echo + text, "logprobs": lp, "finish_reason": reason})
         completion_tokens = sum(len(t) for t in tokens.values())
         return {
             "id": request_id,

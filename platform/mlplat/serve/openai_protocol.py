@@ -136,6 +136,14 @@ class CompletionRequest(_Common):
     prompt: Prompt | Annotated[list[Annotated[str, Field(min_length=1)]] | list[Annotated[list[int], Field(min_length=1)]],
                                Field(min_length=1, max_length=MAX_PROMPTS)]  # fmt: skip
     logprobs: int | None = Field(None, ge=0, le=0)  # 0: the chosen tokens' log-probs; top alternatives are not returned
+    echo: bool = False  # the prompt's text before the completion
+
+    @field_validator("echo")
+    @classmethod
+    def _echo_without_logprobs(cls, value, info):
+        if value and info.data.get("logprobs") is not None:  # OpenAI's echo + logprobs scores the prompt too
+            raise ValueError("with logprobs it would need the prompt's log-probs, which this server does not return yet")
+        return value
 
 
     def prompts(self) -> list[str | list[int]]:
