@@ -22,7 +22,6 @@ from mlplat.data.sft import ChatTokenizer, SFTDataConfig
 from mlplat.errors import CheckpointError, ConfigError
 from mlplat.train.checkpoint import MODEL_DIR, export_checkpoint
 from mlplat.train.optim import OptimizerConfig
-from mlplat.train.worker import run_local
 from train_apps.dpo import DPOConfig, dpo_loop
 from train_apps.reward_model import RewardModelConfig, reward_model_loop
 from train_apps.sft import SFTConfig, sft_loop
@@ -101,13 +100,6 @@ def test_a_sharded_checkpoint_exports_on_one_process_as_saved(recipes, tmp_path,
         torch.testing.assert_close(load_file(exported / "model.safetensors")[name], tensor, rtol=0, atol=0, msg=name)
 
 
-def test_a_diverging_run_stops_with_what_to_change(recipes, tmp_path):
-    cfg, loop, rows = recipes["sft"]
-    diverging = cfg.model_copy(update={"optim": OptimizerConfig(lr=1e30, warmup_steps=1), "max_bad_steps_in_row": 3, "max_steps": 10})
-    with pytest.raises(Exception, match=r"not finite for 3 steps in a row.*lower optim.lr"):
-        run_local(loop, diverging, 1, tmp_path / "run", {"train": rows})
-
-
 def test_resume_from_is_checked_before_anything_starts(tmp_path):
     from mlplat.train.recipe import check_resume_from
 
@@ -168,3 +160,11 @@ def test_lora_sft_exports_a_merged_plain_checkpoint(recipes, tmp_path, local_gro
     exported = load_file(tmp_path / "exported" / "model.safetensors")
     for name, tensor in tuned.items():
         torch.testing.assert_close(exported[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_a_diverging_run_stops_with_what_to_change(recipes, tmp_path, local_group):
+    # Last in the module: the failed run stops the group's processes (the next user would spawn new ones).
+    cfg, loop, rows = recipes["sft"]
+    diverging = cfg.model_copy(update={"optim": OptimizerConfig(lr=1e30, warmup_steps=1), "max_bad_steps_in_row": 3, "max_steps": 10})
+    with pytest.raises(Exception, match=r"not finite for 3 steps in a row.*lower optim.lr"):
+        local_group.run(loop, diverging, tmp_path / "run", {"train": rows})
