@@ -119,15 +119,19 @@ def token_values(critic, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return critic(**model_inputs(batch))[:, :-1]
 
 
-class PPOPolicyObjective:
-    """The clipped surrogate per completion token with per-token advantages, summed over the batch's completion tokens
-    (a step averages it over every rank's); the batch carries ``old_logprobs`` and ``advantages`` [B, L-1]."""
+class _PerCompletionToken:
+    """A PPO objective summed over the batch's completion tokens: a step averages it over every rank's tokens."""
 
     def __init__(self, cfg: PPOConfig):
         self.cfg = cfg
 
     def units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return completion_mask(batch).sum()
+
+
+class PPOPolicyObjective(_PerCompletionToken):
+    """The clipped surrogate per completion token with per-token advantages; the batch carries ``old_logprobs`` and
+    ``advantages`` [B, L-1]."""
 
     def __call__(self, policy, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         mask = completion_mask(batch).float()
@@ -139,15 +143,8 @@ class PPOPolicyObjective:
         return (per_token * mask).sum(), {"clip_fraction": (clipped * mask).sum(), "approx_kl": (approx_kl * mask).sum()}
 
 
-class ValueObjective:
-    """vf_coef x the clipped value loss per completion token, summed over the batch's completion tokens; the batch
-    carries ``old_values`` and ``returns`` [B, L-1]."""
-
-    def __init__(self, cfg: PPOConfig):
-        self.cfg = cfg
-
-    def units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return completion_mask(batch).sum()
+class ValueObjective(_PerCompletionToken):
+    """vf_coef x the clipped value loss per completion token; the batch carries ``old_values`` and ``returns`` [B, L-1]."""
 
     def __call__(self, critic, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         mask = completion_mask(batch).float()
