@@ -12,7 +12,7 @@ from mlplat.errors import ConfigError
 from mlplat.pipeline import Dataset, PipelineDefinitionError, PipelineError, pipeline, step
 from mlplat.pipeline.graph import Graph
 from mlplat.pipeline.loader import load_pipeline
-from mlplat.pipeline.runner import cache_key
+from mlplat.pipeline.executor import cache_key
 from mlplat.pipeline.steps import code_hash
 
 DEMO_DATA = DemoDataConfig()

@@ -31,7 +31,7 @@ _EXPORTS = {
     "mlplat.pipeline.artifacts": ["Artifact", "Checkpoint", "Dataset", "Model"],
     "mlplat.pipeline.graph": ["PipelineDefinitionError", "StepOutput"],
     "mlplat.pipeline.definition": ["Pipeline", "pipeline"],
-    "mlplat.pipeline.runner": ["PipelineError", "PipelineResult"],
+    "mlplat.pipeline.executor": ["PipelineError", "PipelineResult"],
     "mlplat.pipeline.steps": ["Step", "StepContext", "StepOptions", "step", "step_context"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from mlplat.pipeline.artifacts import Artifact, Checkpoint, Dataset, Model
     from mlplat.pipeline.definition import Pipeline, pipeline
     from mlplat.pipeline.graph import PipelineDefinitionError, StepOutput
-    from mlplat.pipeline.runner import PipelineError, PipelineResult
+    from mlplat.pipeline.executor import PipelineError, PipelineResult
     from mlplat.pipeline.steps import Step, StepContext, StepOptions, step, step_context
 
 

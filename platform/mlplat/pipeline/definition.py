@@ -95,7 +95,7 @@ class Pipeline:
         tracking_uri: str | None = None,
     ):
         """Build, validate and run on Ray; returns a ``PipelineResult`` (outputs, MLflow run ids)."""
-        from mlplat.pipeline.runner import run_graph
+        from mlplat.pipeline.executor import run_graph
 
         graph = self.build(params, overrides)
         return run_graph(
