@@ -3,7 +3,8 @@
     demo data -> tiny model ----------------------------> eval_before
                      \\-> SFT on Ray Train (2 DDP workers) -> eval_sft
                             \\-> GRPO (rollout actors + Ray Train) -> eval_grpo
-                                 -> choose the better of the two -> register @quickstart -> serve and ask
+                                 -> choose the better of the two on a validation split -> register @quickstart
+                                 -> serve and ask
 
 Every step is a Ray task with its own MLflow run under the pipeline's run; data and the
 base model travel as MLflow artifacts (``runs:/...``), the trained model as a registered
@@ -28,6 +29,7 @@ from mlplat.data.demo import DemoDataConfig, tokenizer_corpus, write_demo_data
 from mlplat.data.sft import SFTDataConfig
 from mlplat.evaluation import evaluate_exact_match
 from mlplat.models import TinyModelConfig, build_tiny_model
+from mlplat.observability import console
 from mlplat.pipeline import Dataset, Model, pipeline, step, step_context
 from mlplat.tracking import parse_model_uri
 from mlplat.train.optim import OptimizerConfig
@@ -93,7 +95,7 @@ def tiny_model(data: Dataset, cfg: TinyModelConfig) -> Model:
 @step
 def evaluate(model: Model, data: Dataset, limit: int) -> dict:
     """Exact match on the held-out prompts (accuracy, counts, the first completions)."""
-    result = evaluate_exact_match(model.local_path(), data.local_path() / "eval.jsonl", limit=limit)
+    result = evaluate_exact_match(model.local_path(), data.local_path() / "eval.jsonl", limit=limit, progress=step_context().step)
     step_context().log_metrics({"eval.exact_match": result.accuracy})
     return result.model_dump()
 
@@ -158,12 +160,20 @@ def grpo(policy: Model, data: Dataset, optim: OptimizerConfig, max_steps: int, n
     return {"model": Model(result.model_version.uri), "run_id": result.run_id, "rewards": result.rewards}
 
 
-@step(num_cpus=0)
-def choose(sft_model: Model, sft_eval: dict, grpo_model: Model | None = None, grpo_eval: dict | None = None) -> dict:
-    """The candidate to release: GRPO's model unless it scores below SFT's on the held-out prompts."""
-    if grpo_model is not None and grpo_eval["accuracy"] >= sft_eval["accuracy"]:
-        return {"model": grpo_model, "accuracy": grpo_eval["accuracy"], "samples": grpo_eval["samples"]}
-    return {"model": sft_model, "accuracy": sft_eval["accuracy"], "samples": sft_eval["samples"]}
+@step
+def choose(data: Dataset, limit: int, sft_model: Model, sft_eval: dict,
+           grpo_model: Model | None = None, grpo_eval: dict | None = None) -> dict:
+    """The candidate to release: GRPO's model unless it scores below SFT's on the validation split (the
+    held-out prompts, whose score is reported, play no part in the choice)."""
+    if grpo_model is None:
+        return {"model": sft_model, "accuracy": sft_eval["accuracy"], "samples": sft_eval["samples"]}
+    context, validation = step_context(), data.local_path() / "validation.jsonl"
+    scores = {name: evaluate_exact_match(model.local_path(), validation, limit=limit, progress=f"{context.step}/{name}").accuracy
+              for name, model in (("sft", sft_model), ("grpo", grpo_model))}
+    context.log_metrics({f"validation/exact_match_{name}": score for name, score in scores.items()})
+    if scores["grpo"] >= scores["sft"]:
+        return {"model": grpo_model, "accuracy": grpo_eval["accuracy"], "samples": grpo_eval["samples"], "validation": scores}
+    return {"model": sft_model, "accuracy": sft_eval["accuracy"], "samples": sft_eval["samples"], "validation": scores}
 
 
 @step(num_cpus=0, cache=False)  # moves an alias: always done, never replayed from the cache
@@ -225,9 +235,9 @@ def quickstart(cfg: QuickstartConfig = DEFAULTS):
             trained["model"], data, cfg.grpo_optim, cfg.grpo_steps, cfg.num_workers, cfg.registered_model
         )
         after_grpo = evaluate.options(name="eval_grpo")(tuned["model"], data, cfg.eval_limit)
-        chosen = choose(trained["model"], after_sft, tuned["model"], after_grpo)
+        chosen = choose(data, cfg.eval_limit, trained["model"], after_sft, tuned["model"], after_grpo)
     else:
-        after_grpo, chosen = None, choose(trained["model"], after_sft)
+        after_grpo, chosen = None, choose(data, cfg.eval_limit, trained["model"], after_sft)
     released = register(chosen["model"], chosen["accuracy"], before["accuracy"], cfg.alias)
     answers = serve_and_ask(released, data) if cfg.serve else []
     return {"before": before, "after_sft": after_sft, "after_grpo": after_grpo, "chosen": chosen,
@@ -255,20 +265,23 @@ def run_quickstart(cfg: QuickstartConfig = DEFAULTS, address: str | None = None)
 
 
 def _print_summary(r: QuickstartResult, pipeline_run: str, dashboard: str | None) -> None:
-    print("done")
     grpo = f" -> {r.accuracy_grpo:.1%} after GRPO" if r.accuracy_grpo is not None else ""
-    print(f"  exact match on held-out prompts: {r.accuracy_before:.1%} before SFT -> {r.accuracy_sft:.1%} after SFT{grpo}")
-    print(f"  released (the better one): {r.accuracy_after:.1%}")
-    print(f"  training loss: {r.first_loss:.3f} -> {r.final_loss:.3f}")
-    for a in r.served_answers:
-        print(f"  served: {a['question']!r} -> {a['answer']!r} (expected {a['expected']!r})")
+    lines = [
+        "done",
+        f"  exact match on held-out prompts: {r.accuracy_before:.1%} before SFT -> {r.accuracy_sft:.1%} after SFT{grpo}",
+        f"  released (the better one on the validation split): {r.accuracy_after:.1%} on the held-out prompts",
+        f"  training loss: {r.first_loss:.3f} -> {r.final_loss:.3f}",
+    ]
+    lines += [f"  served: {a['question']!r} -> {a['answer']!r} (expected {a['expected']!r})" for a in r.served_answers]
     if not r.served_answers:
-        for s in r.eval_samples[:3]:
-            print(f"  e.g. {s['prompt']!r} -> {s['completion']!r} (expected {s['answer']!r})")
-    print(f"  MLflow run: {r.run_id}   model: {r.model_uri}   pipeline run: {pipeline_run}")
-    print(f"  MLflow UI:  mlflow ui --backend-store-uri {r.tracking_uri}   (then open http://127.0.0.1:5000)")
+        lines += [f"  e.g. {s['prompt']!r} -> {s['completion']!r} (expected {s['answer']!r})" for s in r.eval_samples[:3]]
+    lines += [
+        f"  MLflow run: {r.run_id}   model: {r.model_uri}   pipeline run: {pipeline_run}",
+        f"  MLflow UI:  mlflow ui --backend-store-uri {r.tracking_uri}   (then open http://127.0.0.1:5000)",
+    ]
     if dashboard:
-        print(f"  Ray dashboard: http://{dashboard}   (while this cluster runs; `ray start --head` keeps one up)")
+        lines.append(f"  Ray dashboard: http://{dashboard}   (while this cluster runs; `ray start --head` keeps one up)")
+    console.result("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -217,9 +217,9 @@ def test_failed_step_names_itself_and_a_rerun_resumes_from_it(ray_cluster, track
     # A step past its timeout is cancelled and fails the pipeline with that as its error.
     with pytest.raises(PipelineError, match="step 'hang' raised TimeoutError: timed out after 3s"):
         load_pipeline(file, "stuck").run(workdir=tmp_path / "work")
-    out = capsys.readouterr().out
-    assert "total: attempt 1 failed: ValueError: the data looks wrong; retrying in 0.1s" in out
-    assert "make_rows: cached" in out
+    err = capsys.readouterr().err  # the executor's lines are status, on stderr; stdout is for results
+    assert "total: attempt 1 failed: ValueError: the data looks wrong; retrying in 0.1s" in err
+    assert "make_rows: cached" in err
 
 
 def test_cli_errors_are_one_line(tmp_path, monkeypatch, capsys):

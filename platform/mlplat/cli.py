@@ -19,6 +19,11 @@ RECIPES = {
 }
 
 
+def add_verbose_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="show Ray's, Ray Train's and MLflow's own logs here (default: in a log file whose path is printed)")
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML config file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -32,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("quickstart", help="demo data -> tiny model -> SFT on Ray Train -> MLflow -> eval")
     _add_config_args(p)
     p.add_argument("--address", help="Ray cluster address (default: start a local one)")
+    add_verbose_arg(p)
 
     data = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True, metavar="ACTION")
     p = data.add_parser("demo", help="write the demo JSONL splits (sft, eval, preferences, rl_prompts)")
@@ -55,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = train.add_parser(name, help=help_text)
         _add_config_args(p)
         p.add_argument("--address", help="Ray cluster address (default: start a local one)")
+        add_verbose_arg(p)
 
     p = sub.add_parser("serve", help="serve a model over the OpenAI API on Ray Serve (PD-disaggregated or colocated)")
     _add_config_args(p)
@@ -89,9 +96,12 @@ def _run(args: argparse.Namespace) -> None:
     from mlplat.config import load_config
 
     if args.command == "quickstart":
+        from mlplat.observability.console import command_terminal
         from pipelines.quickstart import QuickstartConfig, run_quickstart
 
-        run_quickstart(load_config(QuickstartConfig, args.config, args.overrides), address=args.address)
+        cfg = load_config(QuickstartConfig, args.config, args.overrides)
+        with command_terminal("quickstart", cfg.workdir, args.verbose):
+            run_quickstart(cfg, address=args.address)
     elif args.command == "data":
         from mlplat.data.demo import DemoDataConfig, write_demo_data
 
@@ -120,9 +130,12 @@ def _run(args: argparse.Namespace) -> None:
         recipe = importlib.import_module(f"train_apps.{args.recipe}")
         _, config_class, run = RECIPES[args.recipe]
         cfg = load_config(getattr(recipe, config_class), args.config, args.overrides)
-        if args.address:  # without one, the recipe starts a local cluster itself, after checking its inputs
-            init_ray(args.address, cfg.num_workers)
-        print(getattr(recipe, run)(cfg).model_dump_json(indent=2))
+        from mlplat.observability.console import command_terminal, result
+
+        with command_terminal(f"train-{args.recipe}", "outputs", args.verbose):
+            if args.address:  # without one, the recipe starts a local cluster itself, after checking its inputs
+                init_ray(args.address, cfg.num_workers)
+            result(getattr(recipe, run)(cfg).model_dump_json(indent=2))
     elif args.command == "serve":
         from mlplat.serve.config import ServeConfig
 

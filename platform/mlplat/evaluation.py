@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from mlplat.errors import DataError
 from mlplat.models import load_model, load_tokenizer
+from mlplat.observability.progress import ProgressReporter
 
 
 def extract_answer(completion: str) -> str:
@@ -51,10 +52,11 @@ def read_eval_rows(path: str | Path, limit: int | None = None) -> list[dict]:
 
 
 @torch.inference_mode()
-def generate(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int, batch_size: int) -> list[str]:
-    """Greedy completions for chat conversations (left-padded batches)."""
+def generate(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int, batch_size: int, progress: str = "eval") -> list[str]:
+    """Greedy completions for chat conversations (left-padded batches); ``progress`` names them on the console."""
     tokenizer.padding_side = "left"
     completions = []
+    reporter = ProgressReporter(progress, len(conversations), unit="row")
     for start in range(0, len(conversations), batch_size):
         texts = [
             tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
@@ -69,6 +71,7 @@ def generate(model, tokenizer, conversations: list[list[dict]], max_new_tokens: 
             pad_token_id=tokenizer.pad_token_id,
         )
         completions += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        reporter.update(len(completions))
     return completions
 
 
@@ -79,13 +82,14 @@ def evaluate_exact_match(
     max_new_tokens: int = 8,
     batch_size: int = 64,
     device: str = "cpu",
+    progress: str = "eval",
 ) -> EvalResult:
     rows = read_eval_rows(eval_path, limit)
     if not rows:
         raise DataError(f"{eval_path}: no eval rows")
     model = load_model(model_dir, device=device).eval()
     tokenizer = load_tokenizer(model_dir)
-    completions = generate(model, tokenizer, [r["messages"] for r in rows], max_new_tokens, batch_size)
+    completions = generate(model, tokenizer, [r["messages"] for r in rows], max_new_tokens, batch_size, progress)
     correct = [extract_answer(c) == str(r["answer"]) for c, r in zip(completions, rows)]
     samples = [
         {"prompt": r["messages"][-1]["content"], "completion": c, "answer": r["answer"]}

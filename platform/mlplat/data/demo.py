@@ -13,6 +13,8 @@ Splits (JSONL, one object per line):
 - ``preferences.jsonl``: ``{"prompt": [user], "chosen": [assistant], "rejected": [assistant]}``
 - ``preferences_eval.jsonl``: the same, on the held-out eval problems (reward model accuracy, DPO margins)
 - ``rl_prompts.jsonl``: ``{"messages": [user], "answer": "975"}``
+- ``validation.jsonl``: as ``eval.jsonl``, for choosing between models (checkpoints, SFT or RL) without
+  touching the held-out problems whose score is then reported
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class DemoDataConfig(Config):
     eval_rows: int = 500
     preference_rows: int = 2_000
     rl_rows: int = 2_000
+    validation_rows: int = 300
 
     @model_validator(mode="after")
     def _room_for_training_problems(self) -> DemoDataConfig:
@@ -53,6 +56,7 @@ class DemoDataPaths(BaseModel):
     preferences: Path
     preferences_eval: Path
     rl_prompts: Path
+    validation: Path
 
 
 def question(a: int, b: int) -> str:
@@ -87,7 +91,7 @@ def _assistant(text: str) -> dict:
 
 
 def write_demo_data(out_dir: str | Path, cfg: DemoDataConfig = DemoDataConfig()) -> DemoDataPaths:
-    """Write the five splits to ``out_dir``; the same config always writes the same bytes."""
+    """Write the six splits to ``out_dir``; the same config always writes the same bytes."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(cfg.seed)
@@ -120,6 +124,12 @@ def write_demo_data(out_dir: str | Path, cfg: DemoDataConfig = DemoDataConfig())
         {"prompt": [_user(a, b)], "chosen": [_assistant(reversed_sum(a, b))], "rejected": [_assistant(_wrong_answer(eval_rng, a, b))]}
         for a, b in eval_problems
     ]
+    validation_rng = random.Random(cfg.seed + 2)  # its own stream too
+    validation_rows = []
+    while len(validation_rows) < cfg.validation_rows:
+        a, b = _operand(validation_rng, cfg.max_digits), _operand(validation_rng, cfg.max_digits)
+        if (a, b) not in held_out:
+            validation_rows.append({"messages": [_user(a, b)], "answer": reversed_sum(a, b)})
 
     paths = DemoDataPaths(
         sft=out_dir / "sft.jsonl",
@@ -127,9 +137,10 @@ def write_demo_data(out_dir: str | Path, cfg: DemoDataConfig = DemoDataConfig())
         preferences=out_dir / "preferences.jsonl",
         preferences_eval=out_dir / "preferences_eval.jsonl",
         rl_prompts=out_dir / "rl_prompts.jsonl",
+        validation=out_dir / "validation.jsonl",
     )
     for path, rows in [(paths.sft, sft_rows), (paths.eval, eval_rows), (paths.preferences, preference_rows),
-                       (paths.preferences_eval, preference_eval_rows), (paths.rl_prompts, rl_rows)]:
+                       (paths.preferences_eval, preference_eval_rows), (paths.rl_prompts, rl_rows), (paths.validation, validation_rows)]:
         with open(path, "w") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")

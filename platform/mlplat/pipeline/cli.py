@@ -29,6 +29,8 @@ def add_commands(sub) -> None:
     p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else start a local cluster)")
     p.add_argument("--namespace", help="Ray namespace for the run (set by submit --tenant)")
     p.add_argument("--workdir", help="scratch directory for step files (default: outputs/pipelines/NAME)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="show Ray's and MLflow's own logs here (default: in a log file whose path is printed)")
 
     p = sub.add_parser("submit", help="run a pipeline as a Ray job on a cluster (Jobs API)")
     _add_pipeline_args(p)
@@ -56,13 +58,16 @@ def add_commands(sub) -> None:
 
 def run_command(args: argparse.Namespace) -> None:
     if args.command == "run":
+        from mlplat.observability.console import command_terminal, result
         from mlplat.pipeline.artifacts import to_json
         from mlplat.pipeline.loader import load_pipeline
 
-        result = load_pipeline(args.file, args.pipeline).run(
-            overrides=args.params, use_cache=not args.no_cache, address=args.address, namespace=args.namespace, workdir=args.workdir
-        )
-        print(json.dumps({"run_id": result.run_id, "experiment": result.experiment, "outputs": to_json(result.outputs)}, indent=2))
+        pipe = load_pipeline(args.file, args.pipeline)
+        pipe.build(overrides=args.params)  # bad parameters are a one-line error before anything starts
+        with command_terminal(f"run-{pipe.name}", args.workdir or "outputs", args.verbose):
+            run = pipe.run(overrides=args.params, use_cache=not args.no_cache, address=args.address, namespace=args.namespace,
+                           workdir=args.workdir)
+            result(json.dumps({"run_id": run.run_id, "experiment": run.experiment, "outputs": to_json(run.outputs)}, indent=2))
         return
 
     from mlplat.pipeline.jobs import Jobs, submit_pipeline

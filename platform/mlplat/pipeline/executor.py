@@ -31,6 +31,7 @@ from mlflow.tracking import MlflowClient
 from pydantic import BaseModel
 
 from mlplat.errors import MlplatError
+from mlplat.observability.console import status
 from mlplat.pipeline.artifacts import Dataset, from_json, map_values, to_json
 from mlplat.pipeline.graph import Graph, Node, StepOutput
 from mlplat.pipeline.steps import StepContext, execute_step
@@ -129,7 +130,7 @@ class _PipelineRun:
         self.failure: str | None = None
 
     def log(self, message: str) -> None:
-        print(f"[{self.graph.pipeline}] {message}", flush=True)
+        status(f"[{self.graph.pipeline}] {message}")
 
     # -- the loop -------------------------------------------------------------------------
 

@@ -203,7 +203,7 @@ def submit_pipeline(
     if (root / "platform" / "mlplat").is_dir():  # this repository: the job imports the uploaded mlplat
         env_vars.setdefault("PYTHONPATH", "platform")
 
-    command = ["python", "-m", "mlplat.cli", "run", path.relative_to(root).as_posix(), "--pipeline", pipe.name]
+    command = ["python", "-m", "mlplat.cli", "run", path.relative_to(root).as_posix(), "--pipeline", pipe.name, "--verbose"]  # the job log is the log
     for override in overrides:
         command += ["--param", override]
     if not use_cache:

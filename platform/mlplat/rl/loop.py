@@ -40,6 +40,7 @@ from mlplat.evaluation import read_eval_rows
 from mlplat.health.training import RankHealth
 from mlplat.models import load_model, load_tokenizer
 from mlplat.observability import catalogue as oc
+from mlplat.observability.progress import ProgressReporter
 from mlplat.rl.experience import RowsCollate, batch_moments, completion_mask, micro_batches, rollout_batch, score_completions
 from mlplat.rl.rewards import RewardConfig, build_reward_fn, weighted_rewards
 from mlplat.rl.rollout import RolloutConfig, held_out_exact_match, sync_weights
@@ -202,6 +203,7 @@ def _train(cfg: RLConfig, env: WorkerEnv, algorithm: RLAlgorithm, rollout_worker
     window, max_logprob_diff = MetricWindow(device, maxima=("rollout/logprob_diff_max", "run/logprob_diff_max")), 0.0
     own_work_s: list[float] = []  # per rollout: this rank's scoring and training, what the straggler check compares
 
+    progress = ProgressReporter(algorithm.recipe, cfg.max_steps) if rank == 0 else None
     while state.step < cfg.max_steps:
         step_before = state.step
         health.inject_faults(state.step + 1)
@@ -247,6 +249,8 @@ def _train(cfg: RLConfig, env: WorkerEnv, algorithm: RLAlgorithm, rollout_worker
         state.data = loader.position.model_copy()
 
         completion_tokens = sum(len(s.completion_ids) for s in samples)
+        if progress:
+            progress.update(state.step, reward=rewards.mean().item())
         window.add({
             **mean_of_steps(step_stats), **experience_metrics,
             "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item(),

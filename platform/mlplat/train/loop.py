@@ -21,6 +21,7 @@ from mlplat.data.loader import ShardLoader
 from mlplat.health.training import FaultInjection, RankHealth, TrainingHealthConfig
 from mlplat.observability import catalogue
 from mlplat.observability.profiling import ProfileConfig, StepProfiler, step_time_summary
+from mlplat.observability.progress import ProgressReporter
 from mlplat.train import collectives
 from mlplat.train.checkpoint import CheckpointFormat, CheckpointMeta, TrainState, load_checkpoint, read_train_state, save_checkpoint
 from mlplat.train.logprobs import TokenLogprobHead, install_logprob_head
@@ -213,6 +214,7 @@ def _run_steps(cfg, env, loader, model, optimizer, scheduler, state, objective, 
     window = StepWindow(collectives.world_size(), flops, peak)
     gauges = TrainGauges(recipe, env.run_id, collectives.rank())
     profiler = StepProfiler(cfg.profile, device, logger) if cfg.profile and logger else None
+    progress = ProgressReporter(recipe, cfg.max_steps) if collectives.rank() == 0 else None
     metrics: dict[str, float] = {}
     while state.step < cfg.max_steps:
         step_start = time.perf_counter()
@@ -222,6 +224,8 @@ def _run_steps(cfg, env, loader, model, optimizer, scheduler, state, objective, 
         stats = train_step(model, micro_batches, optimizer, scheduler, cfg.optim.grad_clip, cfg.use_gpu and cfg.bf16, timer, objective)
         state.data = loader.position.model_copy()
         record_step(state, stats, cfg.max_bad_steps_in_row)
+        if progress:
+            progress.update(state.step, loss=stats.loss)
         window.add(stats, time.perf_counter() - step_start, timer.reset())
         if profiler:
             profiler.step()
