@@ -20,6 +20,16 @@ if TYPE_CHECKING:
     from train_apps.sft import SFTConfig, SFTResult
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def readme_snippet(language: str, containing: str) -> str:
+    """The README's fenced ``language`` block that contains ``containing`` (snippets a test runs cannot drift)."""
+    import re
+
+    blocks = re.findall(rf"```{language}\n(.*?)```", (REPO_ROOT / "README.md").read_text(), re.S)
+    matching = [block for block in blocks if containing in block]
+    assert len(matching) == 1, f"README: {len(matching)} {language} blocks contain {containing!r}"
+    return matching[0]
 MLPLAT = str(Path(sys.executable).with_name("mlplat"))  # the console script of the venv running the tests
 PROMETHEUS = shutil.which("prometheus")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded

@@ -261,3 +261,12 @@ def test_preference_pipeline_trains_sft_unless_given_a_policy():
     given = preference.build(overrides=["cfg.policy=models:/quickstart-tiny@quickstart"])
     assert set(given.nodes) == {"demo_data", "reward_model", "dpo", "eval_sft", "eval_dpo"}
     assert given.nodes["dpo"].arguments()["policy"].uri == "models:/quickstart-tiny@quickstart"
+
+
+def test_the_readmes_pipeline_snippet_runs(ray_cluster, tracking_uri, tmp_path):
+    from conftest import readme_snippet
+
+    (tmp_path / "demo.py").write_text(readme_snippet("python", "@pipeline"))
+    result = load_pipeline(tmp_path / "demo.py", "demo").run({"rows": 10}, workdir=tmp_path / "work")
+    assert result.outputs == 10
+    assert readme_snippet("bash", "mlplat run demo.py").startswith("mlplat run demo.py --param rows=10")

@@ -508,3 +508,13 @@ def test_mlplat_serve_stops_on_ctrl_c_while_deploying(ray_cluster, tiny_model):
             os.kill(process.pid, signal.SIGKILL)
             serve.delete("ctrl-c")  # a failed stop must not leave replicas holding the suite's CPUs
     assert "ctrl-c" not in serve.status().applications
+
+
+def test_the_readmes_client_snippet_runs(apps, capsys):
+    from conftest import readme_snippet
+
+    snippet = readme_snippet("python", "openai.OpenAI(")
+    assert 'base_url="http://127.0.0.1:8000/v1"' in snippet and 'model="quickstart-tiny"' in snippet
+    # The same code against this suite's app: its route and its model's name.
+    exec(snippet.replace("http://127.0.0.1:8000/v1", apps["pd"]).replace('"quickstart-tiny"', '"tiny"'), {})
+    assert len(capsys.readouterr().out.splitlines()) == 1  # the reply's text (the untrained model's: any)
