@@ -35,15 +35,16 @@ test: install-dev prometheus
 test-fast: install-dev
 	$(BIN)/python -m pytest -q -ra -m "not cluster and not slow"
 
-# Debian's prometheus for tests/test_observability_prometheus.py (root, as in CI). Never fails the
-# build: without apt (or root) the test skips and says why.
+# Debian's prometheus for tests/test_observability_prometheus.py, and its promtool for tests/test_alerts.py
+# (one package; root, as in CI). Never fails the build: without apt (or root) those tests skip and say
+# why, except under CI=true, where a missing promtool fails its test.
 prometheus:
-	@command -v prometheus >/dev/null 2>&1 || { \
+	@{ command -v prometheus && command -v promtool; } >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    apt-cache policy prometheus 2>/dev/null | grep -q 'Candidate: [0-9]' || apt-get update -qq >/dev/null 2>&1; \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 \
-	      || echo "make: could not install prometheus with apt; its test will skip"; \
-	  else echo "make: no apt-get as root here; prometheus not installed, its test will skip"; fi; }
+	      || echo "make: could not install prometheus with apt; its tests (and promtool's) will skip"; \
+	  else echo "make: no apt-get as root here; prometheus not installed, its tests (and promtool's) will skip"; fi; }
 
 clean:
 	rm -rf $(VENV) quickstart outputs mlflow.db mlartifacts

@@ -116,6 +116,7 @@ def test_check_on_a_four_node_cluster_flags_marks_and_unmarks_the_slow_node(trac
     verdicts = {n["node_id"]: n for n in report["nodes"]}
     assert set(verdicts) == set(nodes)
     assert verdicts[slow]["failures"] and all("outlier" in f for f in verdicts[slow]["failures"])
+    assert facts["exported"] == {node: node != slow for node in nodes}  # what the health gauges export (mlplat.health.exporter)
     assert [n for n, v in verdicts.items() if v["failures"]] == [slow], {n[:8]: v["failures"] for n, v in verdicts.items()}
     assert verdicts[slow]["metrics"]["cpu_matmul_gflops"] < 0.5 * verdicts[nodes[0]]["metrics"]["cpu_matmul_gflops"]
     collective = report["collective"]
@@ -199,6 +200,10 @@ def _scenario(workdir: Path) -> None:
         resources = ray._private.state.total_resources_per_node  # the GCS's live view (ray.nodes() shows the resources at start)
         facts["accepted"] = _poll(lambda: {node: r.get(marking.ACCEPTED_NODE, 0.0) for node, r in resources().items()}, verdicts)
         facts["quarantined"] = list(marking.quarantined())
+        from mlplat.health import exporter
+
+        held = exporter.last_report()  # the check's process has exited its run: the detached exporter actor holds the report
+        facts["exported"] = {n["node_id"]: not n["failures"] for n in held["report"]["nodes"]} if held else None
         table = io.StringIO()
         with contextlib.redirect_stdout(table):
             main(["health", "nodes", "--address", cluster.address])

@@ -4,6 +4,11 @@ of the training and serving dashboards returns data through Prometheus' HTTP API
 summary and the profiler trace land in MLflow, and a request id travels from the client through
 prefill and decode and back in error bodies.
 
+The same live Prometheus checks the alert rules (alerts/mlplat.rules.yml): every alert's expression
+without its threshold, and every recording rule's, returns a series on these real metrics (the
+cluster-health ones come from the health exporter actor, which the test hands a report to), so no
+rule watches a series nothing exports. And every query of every dashboard panel returns data on its own.
+
 Needs Debian's `prometheus` binary (`make test` installs it where apt works); skipped otherwise.
 """
 
@@ -11,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 from pathlib import Path
@@ -20,7 +26,11 @@ import pytest
 from mlflow import MlflowClient
 from ray import serve
 
-from mlplat.observability.dashboards import SERVING, TRAINING
+from mlplat.health import exporter
+from mlplat.health.report import CollectiveReport, HealthReport, NodeReport
+from mlplat.observability import alerts
+from mlplat.observability import catalogue as c
+from mlplat.observability.dashboards import HEALTH, RL, SERVING, TRAINING
 from mlplat.observability.profiling import ARTIFACT_DIR, TOP_OPERATORS
 from mlplat.observability.prometheus import ray_session_dir
 from mlplat.serve.config import ServeConfig
@@ -29,7 +39,7 @@ from serve_apps.llm import build_app
 ENGINE = {"block_size": 16, "num_kv_blocks": 64, "max_num_seqs": 4, "max_waiting": 4}
 SMALL = {"num_cpus": 0.2}
 # What Grafana substitutes into the committed queries: "All" for every variable, a rate window.
-GRAFANA_VARIABLES = {"$run_id": ".*", "$model": ".*", "$__rate_interval": "30s"}
+GRAFANA_VARIABLES = {"$run_id": ".*", "$model": ".*", "$node": ".*", "$__rate_interval": "30s"}
 
 
 def _query_range(url: str, expr: str, start: float) -> list[float]:
@@ -38,18 +48,43 @@ def _query_range(url: str, expr: str, start: float) -> list[float]:
     return [float(v) for series in r.json()["data"]["result"] for _, v in series["values"]]
 
 
-def _panels_without_data(url: str, dashboard, start: float) -> list[str]:
+def _queries_without_data(url: str, dashboard, start: float) -> list[str]:
+    """Every query of every panel, each on its own: a panel whose second query is empty shows half a story."""
     empty = []
     for panel in dashboard.to_grafana()["panels"]:
-        values = []
         for target in panel["targets"]:
             expr = target["expr"]
             for var, value in GRAFANA_VARIABLES.items():
                 expr = expr.replace(var, value)
-            values += [v for v in _query_range(url, expr, start) if not math.isnan(v)]
-        if not values:  # a panel with several queries (e.g. steps and skipped steps) shows data if any has some
-            empty.append(panel["title"])
+            if not [v for v in _query_range(url, expr, start) if not math.isnan(v)]:
+                empty.append(f"{dashboard.uid} / {panel['title']} / {target['refId']}")
     return empty
+
+
+def _rules_without_series(url: str, start: float) -> list[str]:
+    """Alerts whose expression without its threshold (recorded series inlined), and recording rules, that return no
+    series carrying the labels they group by (an alert's labels: `by (application, deployment)` of nothing is one empty set)."""
+    probes = {a.name: alerts.inline_records(a.probe) for a in alerts.alerts()} | alerts.records()
+    missing = []
+    for name, expr in probes.items():
+        r = httpx.get(f"{url}/api/v1/query_range", params={"query": expr, "start": start, "end": time.time(), "step": 2}, timeout=30)
+        assert r.status_code == 200, (name, expr, r.text)
+        by = re.search(r"\bby \(([^)]*)\)", expr)
+        labels = {label.strip() for label in by.group(1).split(",")} if by else set()
+        result = r.json()["data"]["result"]
+        if not [s for s in result if labels <= set(s["metric"]) and not all(math.isnan(float(v)) for _, v in s["values"])]:
+            missing.append(name)
+    return missing
+
+
+def _health_report() -> HealthReport:
+    """What `mlplat health check` hands the exporter actor, for this cluster's node (its benchmarks: tests/test_health_check.py)."""
+    import ray
+
+    node = next(n for n in ray.nodes() if n["Alive"])
+    return HealthReport(profile="cpu-test", started_at=time.strftime("%Y%m%d-%H%M%S"), duration_s=1.0,
+                        nodes=[NodeReport(node_id=node["NodeID"], ip=node["NodeManagerAddress"], metrics={"cpu_matmul_gflops": 100.0})],
+                        collective=CollectiveReport(backend="gloo", ranks=2, size_mb=1, busbw_gbps=1.0))  # fmt: skip
 
 
 def _post(url: str, **kwargs) -> httpx.Response:
@@ -87,15 +122,24 @@ def test_dashboards_show_training_and_serving_through_prometheus(prometheus, sft
     app = build_app(ServeConfig(model=str(tiny_model), model_name="tiny", mode="pd", engine_args=ENGINE,
                                 prefill=SMALL, decode=SMALL, ingress=SMALL, app_name="obs", route_prefix="/obs"))  # fmt: skip
     serve.run(app, name="obs", route_prefix="/obs")
+    exporter.publish(_health_report())  # the cluster-health gauges, held by the detached exporter actor
     base = "http://127.0.0.1:8000/obs"
     try:
         _requests(base, request_id)
         # Replicas report to their node's metrics agent every few seconds and rates need an increase
-        # between two scrapes: keep sending small batches until every panel has data (or give up).
+        # between two scrapes: keep sending small batches until every query and rule has data (or give up).
+        # The RL dashboard needs a GRPO run, which this suite does not run under Prometheus: only its panels
+        # shared with SFT (step time by phase, loss) are checked.
+        shared = (c.TRAIN_STEP_PHASE_SECONDS.name, c.TRAIN_LOSS.name)
+        rl_shared = [f"{RL.uid} / {p.title} / A" for p in RL.panels if p.queries[0].metric.name in shared]
+
+        def missing_data() -> list[str]:
+            rl = [q for q in _queries_without_data(prometheus.url, RL, start) if q in rl_shared]
+            dashboards = [q for d in (TRAINING, SERVING, HEALTH) for q in _queries_without_data(prometheus.url, d, start)]
+            return dashboards + rl + _rules_without_series(prometheus.url, start)
+
         deadline, batch = time.monotonic() + 90, 0
-        while (missing := _panels_without_data(prometheus.url, TRAINING, start) + _panels_without_data(prometheus.url, SERVING, start)) and (
-            time.monotonic() < deadline
-        ):
+        while (missing := missing_data()) and time.monotonic() < deadline:
             time.sleep(3)
             batch += 1
             _requests(base, f"{request_id}-{batch}")

@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from mlplat.observability.cli import add_commands as add_observability_commands
 
-    add_observability_commands(sub)  # dashboards export|install, profile
+    add_observability_commands(sub)  # dashboards export|install, alerts export, profile
     return parser
 
 
@@ -164,7 +164,7 @@ def _run(args: argparse.Namespace) -> None:
         from mlplat.health.cli import run_command as run_health_command
 
         run_health_command(args)
-    elif args.command in ("dashboards", "profile"):
+    elif args.command in ("dashboards", "alerts", "profile"):
         from mlplat.observability.cli import run_command as run_observability_command
 
         run_observability_command(args)

@@ -16,8 +16,8 @@ def add_commands(sub) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field, e.g. --set gpu_workers.nodes=4 (repeatable)")
     p.add_argument("--out", help="output folder (default: the config's folder)")
-    p = cluster.add_parser("validate", help="check KubeRay manifests against the CRD schemas and launcher YAMLs against Ray's schema")
-    p.add_argument("paths", nargs="*", help="files or folders (default: cluster_configs/kuberay cluster_configs/launcher)")
+    p = cluster.add_parser("validate", help="check KubeRay and monitoring manifests against their CRDs, launcher YAMLs against Ray's")
+    p.add_argument("paths", nargs="*", help="files or folders (default: cluster_configs/kuberay, monitoring and launcher)")
     p.add_argument("--schemas", help="folder with KubeRay's CRDs (default: $MLPLAT_KUBERAY_SCHEMAS, else ../shared/schemas/kuberay)")
 
 
@@ -32,6 +32,6 @@ def run_command(args: argparse.Namespace) -> None:
     elif args.cluster_command == "validate":
         from mlplat.cluster.validate import validate_paths
 
-        paths = args.paths or [Path(DEFAULT_CONFIG).parent / "kuberay", Path(DEFAULT_CONFIG).parent / "launcher"]
+        paths = args.paths or [Path(DEFAULT_CONFIG).parent / d for d in ("kuberay", "monitoring", "launcher")]
         count = validate_paths(paths, Path(args.schemas) if args.schemas else None)
         print(f"{count} documents valid")

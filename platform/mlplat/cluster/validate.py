@@ -6,6 +6,9 @@
   else ``../shared/schemas/kuberay`` beside the repository), never bundled. A RayService's
   ``serveConfigV2`` is also checked against Serve's config schema, and the mlplat app's ``args``
   against :class:`~mlplat.serve.config.ServeConfig`.
+- Monitoring manifests (apiVersion monitoring.coreos.com/*: PodMonitor, ServiceMonitor, PrometheusRule) the same strict
+  way against the prometheus-operator's CRDs (``$MLPLAT_PROMETHEUS_OPERATOR_SCHEMAS``, else
+  ``../shared/schemas/prometheus-operator``), and the dashboards' ConfigMaps against the fields a ConfigMap has.
 - Ray cluster launcher YAMLs (``cluster_name`` + ``provider``) against ``ray-schema.json`` from the
   installed Ray, then as ``ray up`` would before it touches a cloud (defaults filled in, node types).
 """
@@ -29,6 +32,12 @@ from mlplat.errors import MlplatError
 
 SCHEMAS_ENV = "MLPLAT_KUBERAY_SCHEMAS"
 CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml", "RayService": "ray.io_rayservices.yaml"}
+MONITORING_SCHEMAS_ENV = "MLPLAT_PROMETHEUS_OPERATOR_SCHEMAS"
+MONITORING_CRD_FILES = {
+    "PodMonitor": "monitoring.coreos.com_podmonitors.yaml",
+    "ServiceMonitor": "monitoring.coreos.com_servicemonitors.yaml",
+    "PrometheusRule": "monitoring.coreos.com_prometheusrules.yaml",
+}
 _STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
 # The CRDs leave `metadata` to Kubernetes (ObjectMeta); the part a manifest writes, checked the same strict way.
 OBJECT_META = {
@@ -57,6 +66,13 @@ def kuberay_schemas_dir() -> Path:
     return Path(__file__).resolve().parents[3].parent / "shared" / "schemas" / "kuberay"
 
 
+def prometheus_operator_schemas_dir() -> Path:
+    """The prometheus-operator CRDs: ``$MLPLAT_PROMETHEUS_OPERATOR_SCHEMAS``, else ``../shared/schemas/prometheus-operator``."""
+    if os.environ.get(MONITORING_SCHEMAS_ENV):
+        return Path(os.environ[MONITORING_SCHEMAS_ENV])
+    return Path(__file__).resolve().parents[3].parent / "shared" / "schemas" / "prometheus-operator"
+
+
 def validate_paths(paths: Iterable[str | Path], schemas_dir: Path | None = None) -> int:
     """Validate every YAML document in ``paths`` (files, or folders searched for *.yaml); returns how many.
 
@@ -79,13 +95,40 @@ def validate_paths(paths: Iterable[str | Path], schemas_dir: Path | None = None)
     return count
 
 
-def validate_document(doc, schemas_dir: Path | None = None) -> list[str]:
+def validate_document(doc, schemas_dir: Path | None = None, monitoring_schemas_dir: Path | None = None) -> list[str]:
     """Problems with one parsed document (empty: valid)."""
     if isinstance(doc, dict) and str(doc.get("apiVersion", "")).startswith("ray.io/"):
         return validate_kuberay(doc, schemas_dir or kuberay_schemas_dir())
+    if isinstance(doc, dict) and str(doc.get("apiVersion", "")).startswith("monitoring.coreos.com/"):
+        return validate_monitoring(doc, monitoring_schemas_dir or prometheus_operator_schemas_dir())
+    if isinstance(doc, dict) and doc.get("apiVersion") == "v1" and doc.get("kind") == "ConfigMap":
+        return [f"ConfigMap {_path(e)}: {e.message}" for e in sorted(_validator(CONFIG_MAP).iter_errors(doc), key=_path)]
     if isinstance(doc, dict) and "cluster_name" in doc and "provider" in doc:
         return validate_launcher(doc)
-    return ["neither a KubeRay manifest (apiVersion: ray.io/...) nor a Ray cluster launcher config (cluster_name, provider)"]
+    return ["neither a KubeRay manifest (apiVersion: ray.io/...), a monitoring manifest (monitoring.coreos.com/..., a ConfigMap) "
+            "nor a Ray cluster launcher config (cluster_name, provider)"]
+
+
+# A ConfigMap (core/v1) as the dashboards' manifests write one: string data only.
+CONFIG_MAP = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "data"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "v1"}, "kind": {"const": "ConfigMap"}, "metadata": OBJECT_META, "immutable": {"type": "boolean"},
+        "data": {"type": "object", "additionalProperties": {"type": "string"},
+                 "propertyNames": {"pattern": r"^[-._a-zA-Z0-9]+$", "maxLength": 253}},
+    },
+}  # fmt: skip
+
+
+def validate_monitoring(doc: dict, schemas_dir: Path) -> list[str]:
+    kind = doc.get("kind")
+    if kind not in MONITORING_CRD_FILES:
+        return [f"kind {kind!r}: expected one of {', '.join(MONITORING_CRD_FILES)}"]
+    version = doc["apiVersion"].removeprefix("monitoring.coreos.com/")
+    schema = crd_schema(schemas_dir, kind, version, "monitoring.coreos.com")
+    return [f"{kind} {_path(e)}: {e.message}" for e in sorted(_validator(schema).iter_errors(doc), key=_path)]
 
 
 def validate_kuberay(doc: dict, schemas_dir: Path) -> list[str]:
@@ -140,16 +183,22 @@ def validate_launcher(doc: dict) -> list[str]:
 
 
 @functools.cache
-def crd_schema(schemas_dir: Path, kind: str, version: str) -> dict:
-    """The strict OpenAPI schema of ``kind`` at ``version`` from its CRD file."""
-    path = Path(schemas_dir) / CRD_FILES[kind]
-    if not path.is_file():
-        raise MlplatError(f"{path}: KubeRay CRD not found; set {SCHEMAS_ENV} to a folder with {', '.join(CRD_FILES.values())} "
-                          "(ray-operator/config/crd/bases in the kuberay repository)")
+def crd_schema(schemas_dir: Path, kind: str, version: str, group: str = "ray.io") -> dict:
+    """The strict OpenAPI schema of ``kind`` at ``version`` from its CRD file (KubeRay's, or the prometheus-operator's)."""
+    if group == "ray.io":
+        path = Path(schemas_dir) / CRD_FILES[kind]
+        if not path.is_file():
+            raise MlplatError(f"{path}: KubeRay CRD not found; set {SCHEMAS_ENV} to a folder with {', '.join(CRD_FILES.values())} "
+                              "(ray-operator/config/crd/bases in the kuberay repository)")
+    else:
+        path = Path(schemas_dir) / MONITORING_CRD_FILES[kind]
+        if not path.is_file():
+            raise MlplatError(f"{path}: prometheus-operator CRD not found; set {MONITORING_SCHEMAS_ENV} to a folder with "
+                              f"{', '.join(MONITORING_CRD_FILES.values())} (example/prometheus-operator-crd in its repository)")
     crd = yaml.load(path.read_text(), Loader=_Loader)
     versions = {v["name"]: v for v in crd["spec"]["versions"] if v.get("served")}
     if version not in versions:
-        raise MlplatError(f"{kind}: apiVersion ray.io/{version} is not served by {path.name} (served: {', '.join(versions)})")
+        raise MlplatError(f"{kind}: apiVersion {group}/{version} is not served by {path.name} (served: {', '.join(versions)})")
     schema = _strict(copy.deepcopy(versions[version]["schema"]["openAPIV3Schema"]))
     schema["properties"]["metadata"] = OBJECT_META
     schema["required"] = sorted({*schema.get("required", []), "apiVersion", "kind", "metadata", "spec"})

@@ -246,15 +246,16 @@ def _log_run(report: HealthReport, cfg: HealthCheckConfig, profile: HardwareProf
 
 
 def _export_metrics(report: HealthReport) -> None:
-    """Each node's figures and verdict as Prometheus gauges (mlplat.observability.catalogue)."""
-    from mlplat.observability import catalogue as oc
+    """Each node's figures and verdict as Prometheus gauges (mlplat.observability.catalogue), held by the cluster's
+    long-lived health exporter actor (mlplat.health.exporter): this process ends, the gauges stay exported."""
+    from mlplat.health import exporter
 
-    for node in report.nodes:
-        for benchmark, value in node.metrics.items():
-            oc.HEALTH_BENCHMARK.set(value, node=node.node_id, benchmark=benchmark)
-        oc.HEALTH_NODE_PASSED.set(float(node.passed), node=node.node_id)
-    if report.collective and report.collective.busbw_gbps:
-        oc.HEALTH_ALLREDUCE_BUSBW.set(report.collective.busbw_gbps)
+    try:
+        exporter.publish(report)
+    except (RayError, GetTimeoutError) as err:  # the verdicts stand (table, MLflow, marks); only the gauges are missing
+        import logging
+
+        logging.getLogger(__name__).warning("health check: could not publish the report to the health exporter actor: %s", err)
 
 
 def run_health_check(cfg: HealthCheckConfig, tracking_uri: str | None = None) -> HealthReport:

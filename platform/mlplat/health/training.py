@@ -26,7 +26,7 @@ from mlplat.config import Config
 from mlplat.health import marking
 from mlplat.health.hang import HangConfig, HangWatchdog
 from mlplat.health.straggler import StragglerConfig, StragglerDetector, StragglerError
-from mlplat.observability.catalogue import TRAIN_RANK_SLOWDOWN
+from mlplat.observability.catalogue import TRAIN_ATTEMPT_STARTED, TRAIN_RANK_SLOWDOWN
 from mlplat.tracking import RunLogger
 from mlplat.train import collectives
 from mlplat.train.worker import WorkerEnv
@@ -65,6 +65,8 @@ class RankHealth:
         self.first_attempt = not env.restarted  # a restart after a failure restores this run's latest checkpoint
         self.detector = StragglerDetector(cfg.straggler)
         self.nodes = collectives.all_gather_object(env.node())
+        if self.rank == 0:  # MlplatTrainingJobRestarting: an attempt that restored this run's checkpoint after a failure
+            TRAIN_ATTEMPT_STARTED.set(time.time(), recipe=recipe, run_id=self.run_id, restarted=str(env.restarted).lower())
         self.watchdog = None
         if cfg.hang.enabled:
             stacks = Path(tempfile.gettempdir()) / "mlplat-health" / f"{self.run_id}-rank{self.rank}-pid{os.getpid()}-stacks.txt"

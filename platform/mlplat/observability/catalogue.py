@@ -132,7 +132,28 @@ HEALTH_ALLREDUCE_BUSBW = Metric(
     "mlplat_health_allreduce_busbw_gbps", "gauge", "1", "all-reduce bus bandwidth across the checked nodes, GB/s", ()
 )
 
+HEALTH_NODE_QUARANTINED = Metric(
+    "mlplat_health_node_quarantined", "gauge", "1",
+    "1 while the node is quarantined (by the acceptance check or a flagged straggler), from the health exporter actor", HEALTH,
+)  # fmt: skip
+HEALTH_REPORT_TIMESTAMP = Metric(
+    "mlplat_health_report_timestamp_seconds", "gauge", "seconds",
+    "unix time the last acceptance check finished; the health exporter actor holds it (age = time() - this)", (),
+)  # fmt: skip
+
+# -- training: restarts (rank 0, once per attempt) --
+TRAIN_ATTEMPT_STARTED = Metric(
+    "mlplat_train_attempt_started_timestamp_seconds", "gauge", "seconds",
+    "unix time this attempt of the job started; restarted=true when it restored the run's checkpoint after a failure",
+    (*TRAIN, "restarted"),
+)  # fmt: skip
+
 CATALOGUE: dict[str, Metric] = {m.name: m for m in globals().values() if isinstance(m, Metric)}
+
+# Ray's own metrics that alert rules use (exported names, as Ray 2.60 writes them; not recorded by mlplat).
+# ray/serve/_private/replica.py: a Counter every replica increments once when it starts, tags deployment/replica/application.
+RAY_SERVE_REPLICA_STARTS = "ray_serve_deployment_replica_starts_total"
+RAY_SERIES = frozenset({RAY_SERVE_REPLICA_STARTS})
 
 
 def exported_series() -> set[str]:

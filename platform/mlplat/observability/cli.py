@@ -1,4 +1,5 @@
-"""``mlplat dashboards export|install`` and ``mlplat profile engine`` (training steps: the recipes' ``profile:`` field)."""
+"""``mlplat dashboards export|install``, ``mlplat alerts export`` and ``mlplat profile engine``
+(training steps: the recipes' ``profile:`` field)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from mlplat.errors import MlplatError
 
 DEFAULT_OUT = "dashboards"
+ALERTS_OUT, MONITORING_OUT = "alerts", "cluster_configs/monitoring"
 PROFILE_EXPERIMENT = "mlplat-profile"  # engine profiles; SFT profiles live in their SFT run
 
 
@@ -24,6 +26,14 @@ def add_commands(sub) -> None:
     where.add_argument("--to-dir", help="write Grafana file provisioning there, e.g. /tmp/ray/session_latest/metrics/grafana (Ray's)")
     p.add_argument("--prometheus-url", default=None, help="the data source's URL (default: $RAY_PROMETHEUS_HOST or http://localhost:9090)")
     p.add_argument("--token-env", default="GRAFANA_TOKEN", help="environment variable holding a service-account token or user:password")
+
+    alerts = sub.add_parser("alerts", help="Prometheus alert and recording rules, and Kubernetes monitoring manifests, from the catalogue")
+    actions = alerts.add_subparsers(dest="alerts_command", required=True, metavar="ACTION")
+    p = actions.add_parser("export", help="write the rule file and its promtool tests (alerts/) and the PodMonitors, PrometheusRule and "
+                                          "dashboard ConfigMaps (cluster_configs/monitoring/)")
+    p.add_argument("--out", default=ALERTS_OUT, help=f"rules and promtool tests (default: {ALERTS_OUT}/)")
+    p.add_argument("--monitoring-out", default=MONITORING_OUT, help=f"Kubernetes manifests (default: {MONITORING_OUT}/)")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if the files differ from what the catalogue gives")
 
     profile = sub.add_parser("profile", help="profile a few inference engine steps with torch.profiler (trace + top operators in MLflow); for training steps set profile: in the recipe config")
     targets = profile.add_subparsers(dest="target", required=True, metavar="TARGET", help="what to profile")
@@ -58,8 +68,26 @@ def run_command(args: argparse.Namespace) -> None:
         else:
             for url in provisioning.install(args.grafana_url, args.token_env, prometheus_url):
                 print(url)
+    elif args.command == "alerts" and args.alerts_command == "export":
+        _export_alerts(Path(args.out), Path(args.monitoring_out), args.check)
     elif args.command == "profile" and args.target == "engine":
         _profile_engine(args)
+
+
+def _export_alerts(out: Path, monitoring_out: Path, check: bool) -> None:
+    from mlplat.observability import alerts, monitoring
+
+    if not check:
+        for path in alerts.export(out) + monitoring.export(monitoring_out, out / alerts.RULES_FILE):
+            print(path)
+        return
+    wanted = {out / name: text for name, text in alerts.rendered().items()}
+    wanted |= {monitoring_out / name: text for name, text in monitoring.manifests(alerts.render_rules()).items()}
+    stale = [str(path) for path, text in wanted.items() if not path.is_file() or path.read_text() != text]
+    if stale:
+        print(f"stale: {', '.join(stale)}; run `mlplat alerts export --out {out} --monitoring-out {monitoring_out}`", file=sys.stderr)
+        sys.exit(1)
+    print(f"{out}, {monitoring_out}: {len(wanted)} files up to date")
 
 
 def _export(out: Path, check: bool) -> None:

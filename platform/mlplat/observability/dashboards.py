@@ -166,6 +166,9 @@ def _by_run(metric: Metric, agg: str = "max", extra: str = "") -> Q:
     return Q(metric, f"{agg} by ({by}) ({{m}}{{sel}})", legend)
 
 
+# A counter Ray has not exported yet (nothing counted) reads 0 where its job is running, not "No data".
+_ZERO_STEPS = f"sum by (run_id) (rate({c.TRAIN_STEPS.exported}{{sel}}[{RATE}])) * 0"
+
 TRAINING = Dashboard(
     uid="mlplat-training",
     title="mlplat / Training",
@@ -182,10 +185,15 @@ TRAINING = Dashboard(
         Panel("Straggler score (rank slowdown)", (Q(c.TRAIN_RANK_SLOWDOWN, "max by (run_id, rank, node) ({m}{sel})", "rank {{rank}} {{node}}"),),
               "A rank's local step time over the other ranks' median; above the straggler threshold for a few windows flags it.", "short"),
         Panel("Steps / s", (Q(c.TRAIN_STEPS, f"sum by (run_id) (rate({{m}}{{sel}}[{RATE}]))", "{{run_id}}"),
-                            Q(c.TRAIN_SKIPPED_STEPS, f"sum by (run_id) (rate({{m}}{{sel}}[{RATE}]))", "{{run_id}} skipped")), unit="short"),
+                            Q(c.TRAIN_SKIPPED_STEPS, f"sum by (run_id) (rate({{m}}{{sel}}[{RATE}])) or {_ZERO_STEPS}", "{{run_id}} skipped")),
+              "Skipped steps show as 0 until the first one (Ray exports a counter from its first increment).", unit="short"),
         Panel("Gradient norm", (_by_run(c.TRAIN_GRAD_NORM),)),
         Panel("Learning rate", (_by_run(c.TRAIN_LR),)),
         Panel("Rejected input rows by reason", (Q(c.TRAIN_REJECTED_ROWS, "max by (run_id, reason) ({m}{sel})", "{{run_id}} {{reason}}"),)),
+        Panel("Attempt started (restarted = after a failure)",
+              (Q(c.TRAIN_ATTEMPT_STARTED, "max by (run_id, restarted) ({m}{sel}) * 1000", "{{run_id}} restarted={{restarted}}"),),
+              "When the job's current attempt started; a restarted=true series means Ray Train restarted it from its checkpoint.",
+              "dateTimeAsIso"),
     ),
 )  # fmt: skip
 
@@ -211,7 +219,8 @@ SERVING = Dashboard(
               "Zero unless the engine runs speculative decoding."),
         Panel("KV handoff: bytes / s and import failures / s",
               (Q(c.SERVE_KV_HANDOFF_BYTES, f"sum(rate({{m}}_sum[{RATE}]))", "bytes/s"),
-               Q(c.SERVE_KV_HANDOFF_FAILURES, f"sum(rate({{m}}[{RATE}]))", "failures/s (prefill recomputed)")), unit="Bps"),
+               Q(c.SERVE_KV_HANDOFF_FAILURES, f"sum(rate({{m}}[{RATE}])) or sum(rate({c.SERVE_KV_HANDOFF_BYTES.exported}_count[{RATE}])) * 0",
+                 "failures/s (prefill recomputed)")), "Import failures show as 0 while payloads arrive and none failed.", unit="Bps"),
         Panel("KV handoff latency", quantiles(c.SERVE_KV_HANDOFF_SECONDS)),
     ),
 )  # fmt: skip
@@ -240,6 +249,10 @@ HEALTH = Dashboard(
         Panel("Node passed acceptance (1 = yes)", (Q(c.HEALTH_NODE_PASSED, "max by (node) ({m}{sel})", "{{node}}"),)),
         Panel("Benchmark figures per node", (Q(c.HEALTH_BENCHMARK, "max by (node, benchmark) ({m}{sel})", "{{node}} {{benchmark}}"),)),
         Panel("All-reduce bus bandwidth (GB/s)", (Q(c.HEALTH_ALLREDUCE_BUSBW, "max({m})", "busbw"),)),
+        Panel("Quarantined nodes (1 = quarantined)", (Q(c.HEALTH_NODE_QUARANTINED, "max by (node) ({m}{sel})", "{{node}}"),)),
+        Panel("Age of the last health report", (Q(c.HEALTH_REPORT_TIMESTAMP, "time() - max({m})", "age"),),
+              "Seconds since the last `mlplat health check` reported to the health exporter actor; "
+              "MlplatHealthReportStale fires past 26 h."),
         Panel("Training stragglers (rank slowdown)", (Q(c.TRAIN_RANK_SLOWDOWN, "max by (run_id, node) ({m}{sel})", "{{run_id}} {{node}}"),), unit="short"),
     ),
 )  # fmt: skip
