@@ -52,6 +52,7 @@ def build_app(cfg: ServeConfig) -> Application:
         request_timeout_s=cfg.request_timeout_s,
         max_sequences_in_flight=limits.ingress_sequences,
         gate=build_gatekeeper(cfg.auth, cfg.ingress.num_replicas),  # holds key hashes only, never keys
+        tool_call_parser=cfg.tool_call_parser,
     )
     engine_args = engine_cfg.model_dump(mode="json")
     ingress = OpenAIIngress.options(**_options(cfg.ingress, "ingress", limits.ingress_max_ongoing_requests))

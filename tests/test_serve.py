@@ -3,12 +3,15 @@ real `openai` client: PD-disaggregated and colocated apps side by side."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
+from typing import Annotated, Literal
 
 import httpx
 import openai
 import pytest
+from pydantic import BaseModel, Field
 from ray import serve
 
 from mlplat.engine import EngineConfig, LLMEngine, SamplingParams
@@ -129,7 +132,10 @@ def test_bad_completion_requests_are_400_naming_the_field(apps, body, param):
     [
         ({"model": "tiny", "messages": []}, "messages"),
         ({"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, "role"),
-        ({"model": "tiny", "messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"model": "tiny", "messages": CHAT, "response_format": {"type": "json_schema"}}, "response_format"),  # without its schema
+        ({"model": "tiny", "messages": CHAT, "guided_json": {"type": "object"}}, "structured_outputs"),  # vLLM's old key: named the new one
+        ({"model": "tiny", "messages": CHAT, "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"model": "tiny", "messages": CHAT, "tool_choice": "required"}, "tool_choice"),  # without tools
         ({"model": "tiny", "messages": CHAT, "tools": []}, "tools"),
         ({"model": "tiny", "messages": CHAT, "top_logprobs": 2, "logprobs": True}, "top_logprobs"),
         ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "content"),
@@ -231,6 +237,75 @@ def test_sampling_fields_take_effect(apps, tiny_model):
     assert streamed == echoed.choices[0].text
     # Fields with no effect on the output are accepted.
     assert c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, user="u1", metadata={"k": "v"}, store=False).choices
+
+
+class Pet(BaseModel):
+    name: str = Field(max_length=8)
+    tags: list[Annotated[str, Field(max_length=4)]] = Field(max_length=3)
+    age: int = Field(ge=0, le=30)
+    kind: Literal["cat", "dog"]
+
+
+# The tiny model's 256-token context holds one small tool, a call and a short conversation (its tokenizer has 384 entries).
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a"]}}}
+ASK = [{"role": "user", "content": "2 + 3?"}]
+
+
+def test_structured_outputs_parse_and_validate_with_the_real_client(apps):
+    for mode in ("pd", "colo"):
+        c = client(apps, mode)
+        r = c.chat.completions.parse(model="tiny", messages=CHAT, response_format=Pet, temperature=1.0, seed=1, n=2, max_tokens=150)
+        for choice in r.choices:  # the client parses and validates each answer against the model
+            assert isinstance(choice.message.parsed, Pet) and choice.finish_reason == "stop", choice.message.content
+        obj = c.chat.completions.create(model="tiny", messages=CHAT, response_format={"type": "json_object"}, max_tokens=150,
+                                        temperature=0)  # fmt: skip
+        assert obj.choices[0].finish_reason == "length" or isinstance(json.loads(obj.choices[0].message.content), dict)
+        choice = c.completions.create(model="tiny", prompt="hi", max_tokens=10,
+                                      extra_body={"structured_outputs": {"choice": ["yes", "ok"]}})  # fmt: skip
+        assert choice.choices[0].text in ("yes", "ok")
+        regex = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=20,
+                                          extra_body={"structured_outputs": {"regex": "[a-c]{2}[0-9]"}})  # fmt: skip
+        assert re.fullmatch("[a-c]{2}[0-9]", regex.choices[0].message.content)
+    with pytest.raises(openai.BadRequestError, match="max_grammar_bytes") as too_big:  # a per-request limit: the schema's size
+        client(apps, "colo").chat.completions.create(model="tiny", messages=CHAT, max_tokens=5,
+                                                     extra_body={"structured_outputs": {"choice": ["x" * 70_000]}})
+    assert too_big.value.body["param"] == "structured_outputs"
+    with pytest.raises(openai.BadRequestError, match="invalid grammar"):  # a bad grammar fails its own request; the app lives on
+        client(apps, "pd").chat.completions.create(model="tiny", messages=CHAT, max_tokens=5,
+                                                   extra_body={"structured_outputs": {"grammar": "start: nope"}})  # fmt: skip
+    assert client(apps, "pd").chat.completions.create(model="tiny", messages=CHAT, max_tokens=3).choices[0].finish_reason
+
+
+def test_tool_calls_non_stream_stream_and_a_two_turn_round_trip(apps):
+    for mode in ("pd", "colo"):
+        c = client(apps, mode)
+        for choice in ("required", {"type": "function", "function": {"name": "add"}}):
+            r = c.chat.completions.create(model="tiny", messages=ASK, tools=[ADD], tool_choice=choice, temperature=1.0, seed=3)
+            call = r.choices[0].message.tool_calls[0]
+            assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None, r
+            assert call.type == "function" and call.function.name == "add" and call.id.startswith("call_")
+            assert 0 <= json.loads(call.function.arguments)["a"] <= 99  # the arguments follow the function's schema
+        # streaming: the call arrives as tool-call deltas (id and name, then the arguments), then finish_reason tool_calls
+        calls, reasons = {}, []
+        for chunk in c.chat.completions.create(model="tiny", messages=ASK, tools=[ADD], tool_choice="required", stream=True, seed=4):
+            for ch in chunk.choices:
+                reasons += [ch.finish_reason] if ch.finish_reason else []
+                for d in ch.delta.tool_calls or []:
+                    call = calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
+                    call["arguments"] += d.function.arguments or ""
+        assert reasons == ["tool_calls"] and len(calls) == 1 and calls[0]["name"] == "add" and calls[0]["id"]
+        assert set(json.loads(calls[0]["arguments"])) == {"a"}
+        # turn two: the call and its result go back; the model answers (tool_choice none: no calls parsed)
+        first = c.chat.completions.create(model="tiny", messages=ASK, tools=[ADD], tool_choice="required", seed=5)
+        call = first.choices[0].message.tool_calls[0]
+        messages = ASK + [first.choices[0].message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+        second = c.chat.completions.create(model="tiny", messages=messages, tools=[ADD], tool_choice="none", max_tokens=4, temperature=0)
+        assert second.choices[0].message.tool_calls is None and second.choices[0].finish_reason in ("stop", "length")
+        alone = c.chat.completions.create(model="tiny", messages=ASK, max_tokens=1).usage.prompt_tokens  # no tools in either prompt
+        assert second.usage.prompt_tokens > alone + 40  # the call and the tool's result are in the prompt
+        auto = c.chat.completions.create(model="tiny", messages=messages, tools=[ADD], max_tokens=4, temperature=0)  # free decoding, parsed
+        assert auto.choices[0].message.tool_calls is None and auto.choices[0].finish_reason in ("stop", "length")
 
 
 def test_invalid_json_is_400(apps):
@@ -516,5 +591,7 @@ def test_the_readmes_client_snippet_runs(apps, capsys):
     snippet = readme_snippet("python", "openai.OpenAI(")
     assert 'base_url="http://127.0.0.1:8000/v1"' in snippet and 'model="quickstart-tiny"' in snippet
     # The same code against this suite's app: its route and its model's name.
-    exec(snippet.replace("http://127.0.0.1:8000/v1", apps["pd"]).replace('"quickstart-tiny"', '"tiny"'), {})
-    assert len(capsys.readouterr().out.splitlines()) == 1  # the reply's text (the untrained model's: any)
+    names = {}
+    exec(snippet.replace("http://127.0.0.1:8000/v1", apps["pd"]).replace('"quickstart-tiny"', '"tiny"'), names)
+    assert names["reply"].choices[0].finish_reason in ("stop", "length")
+    assert capsys.readouterr().out == names["reply"].choices[0].message.content + "\n"  # the reply's text (the untrained model's: any)

@@ -17,6 +17,14 @@ class SpeculativeConfig(Config):
     draft_model: str | None = None  # HF checkpoint sharing the target's tokenizer
 
 
+class StructuredLimits(Config):
+    """Per-request limits on structured outputs (engine.structured); exceeding one is a ValueError naming it (a 400)."""
+
+    max_grammar_bytes: int = Field(65536, ge=1)  # the schema / regex / grammar / choices as JSON text
+    compile_timeout_s: float = Field(10.0, gt=0)  # a grammar still compiling after this fails its request
+    max_cached_grammars: int = Field(256, ge=1)
+
+
 class EngineConfig(Config):
     model: str  # local HF checkpoint directory (resolve models:/ URIs before building)
     device: str = "cpu"  # "cuda" on a GPU; the same code runs on both
@@ -39,3 +47,4 @@ class EngineConfig(Config):
     # engine.cpu_kernels). False, or where they cannot be built: gather + SDPA and ATen's ops.
     cpu_kernels: bool = True
     speculative: SpeculativeConfig | None = None
+    structured_outputs: StructuredLimits = StructuredLimits()  # per-request limits on grammars (engine.structured)

@@ -26,6 +26,7 @@ from mlplat.engine.sampling import SamplingParams, sample
 from mlplat.engine.scheduler import QueueFullError, Scheduler
 from mlplat.engine.sequence import Sequence, Status
 from mlplat.engine.spec_decode import Speculator
+from mlplat.engine.structured import GrammarCompiler, advance
 from mlplat.models.checkpoint import load_tokenizer
 
 
@@ -74,6 +75,7 @@ class LLMEngine:
         self.finished_on_admission: list[str] = []  # requests that finished before entering the queues
         self.speculator = Speculator(cfg, self.block_manager, self.runner.max_model_len, self.vocab_size) if cfg.speculative else None
         self.num_steps = 0
+        self._grammars: GrammarCompiler | None = None
         self.fault_hook: FaultHook | None = None
 
     def _generation_eos(self) -> list[int]:
@@ -90,12 +92,26 @@ class LLMEngine:
         self.check_params(params)
         seqs = [Sequence(request_id, token_ids, params, i) for i in range(params.n)]
         for seq in seqs:
+            self._attach_grammar(seq)
+        for seq in seqs:
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed + seq.sample_index)
             seq.leader = seqs[0] if seq is not seqs[0] else None
         self.scheduler.add(seqs)
         self.requests[request_id] = seqs
         return request_id
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler and its cache (built on first use: wrapping the tokenizer takes ~1 s)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids, self.cfg.structured_outputs)
+        return self._grammars
+
+    def _attach_grammar(self, seq: Sequence) -> None:
+        """A constrained sequence's own grammar state (ValueError if the grammar fails to compile or is over a limit)."""
+        if seq.params.structured is not None:
+            seq.matcher = self.grammars.matcher(seq.params.structured)
 
     @property
     def vocab_size(self) -> int:
@@ -196,7 +212,8 @@ class LLMEngine:
     def _sample_rows(self, batch, rows, index: list[int]) -> dict[int, list[tuple[int, float]]]:
         seqs = [batch[i][0] for i in index]
         logits = torch.stack([rows[i][-1] for i in index])
-        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], seqs, self.eos_token_ids)
+        matchers = [s.matcher for s in seqs] if any(s.matcher is not None for s in seqs) else None
+        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], seqs, self.eos_token_ids, matchers)
         return {i: [(t, lp)] for i, t, lp in zip(index, tokens.tolist(), logprobs.tolist())}
 
     def _advance(self, seq: Sequence, n: int, drafts: list[int], rows: torch.Tensor, emitted: list[tuple[int, float]] | None) -> None:
@@ -229,6 +246,8 @@ class LLMEngine:
         return self.speculator.acceptance_rate if self.speculator else 0.0
 
     def _append(self, seq: Sequence, token: int, logprob: float) -> None:
+        if seq.matcher is not None:
+            advance(seq.matcher, token)
         seq.token_ids.append(token)
         seq.output_logprobs.append(logprob)
         reason = self._finish_reason(seq)
@@ -321,7 +340,9 @@ class LLMEngine:
 
         It waits in the queue holding its KV blocks, and decodes from its first token on."""
         request_id = request_id or f"req-{next(self._request_ids)}"
+        matcher = self.grammars.matcher(params.structured) if params.structured is not None else None  # before any block is taken
         seq = kv_transfer.import_prefilled(self, payload, params, request_id)
+        seq.matcher = matcher  # the grammar from its start: the first token below advances it as on the prefill side
         self.requests[request_id] = [seq]
         self._append(seq, payload.first_token, payload.first_logprob)
         if not seq.is_finished:

@@ -18,6 +18,7 @@ import torch
 from pydantic import Field, model_validator
 
 from mlplat.config import Config
+from mlplat.engine.structured import StructuredOutputs, apply_masks
 
 
 class SamplingParams(Config):
@@ -41,6 +42,7 @@ class SamplingParams(Config):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: bool = False  # return the log-prob of each chosen token
+    structured: StructuredOutputs | None = None  # a grammar the output must follow (engine.structured)
 
     @model_validator(mode="after")
     def _check(self) -> "SamplingParams":
@@ -66,7 +68,7 @@ class SamplingParams(Config):
     @property
     def adjusts_logits(self) -> bool:
         """Whether the logits are changed before greedy and sampling alike (stage 1 above)."""
-        return self.needs_history or bool(self.logit_bias)
+        return self.needs_history or bool(self.logit_bias) or self.structured is not None
 
 
 class TokenHistory(Protocol):
@@ -82,18 +84,22 @@ def sample(
     generators: Sequence[torch.Generator | None],
     history: Sequence[TokenHistory] | None = None,
     eos_token_ids: Collection[int] = (),
+    matchers: Sequence | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits`` [B, V]; returns (token ids [B], their log-probs [B]).
 
     ``history`` (each row's token ids) is read by the penalties and min_tokens, and needed only where a
     row uses them; min_tokens holds off ``eos_token_ids`` (unless ignore_eos) and the row's stop_token_ids.
     Log-probs are of the model's raw distribution (before logit_bias, penalties, temperature, top-k,
-    top-p, min-p), which is what an RL trainer recomputes and compares against.
+    top-p, min-p), which is what an RL trainer recomputes and compares against. ``matchers`` (one per row, None
+    where unconstrained) mask each constrained row to the tokens its grammar allows, after the other adjustments.
     """
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
     if any(p.adjusts_logits for p in params):
         logits = adjust_logits(logits, params, history, eos_token_ids)
+    if matchers is not None and any(m is not None for m in matchers):
+        logits = apply_masks(logits, list(matchers))
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:

@@ -37,6 +37,7 @@ class Sequence:
         self.generator: torch.Generator | None = None
         self.leader: Sequence | None = None  # n > 1: sample 0, whose prefill the others reuse
         self.on_finish: Callable[[Sequence], None] | None = None  # called as it finishes, before its blocks are freed
+        self.matcher = None  # params.structured: this sample's grammar state (an llguidance LLMatcher)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -82,17 +82,27 @@ class AsyncEngine:
     # -- asyncio side -----------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str, deadline: float | None = None) -> AsyncIterator[Delta]:
         """Stream deltas of every sample; cancelling the consumer aborts the request."""
+        await self._compile(params)
         async for delta in self._stream(("add", prompt_ids, params, request_id), request_id, deadline):
             yield delta
 
     async def generate_prefilled(self, payload: KVPayload, params: SamplingParams, request_id: str,
                                  deadline: float | None = None) -> AsyncIterator[Delta]:  # fmt: skip
         """Decode a request whose prompt KV and first token come from a prefill server."""
+        await self._compile(params)
         async for delta in self._stream(("add_prefilled", payload, params, request_id), request_id, deadline):
             yield delta
 
     async def prefill(self, prompt_ids: list[int], params: SamplingParams) -> KVPayload:
+        await self._compile(params)
         return await self._call("prefill", prompt_ids, params)
+
+    async def _compile(self, params: SamplingParams) -> None:
+        """A constrained request's grammar, compiled (or found cached) here, off the engine loop and under its time
+        limit, so the loop's add_request only copies a cached matcher; ValueError for a bad or slow grammar."""
+        if params.structured is not None:
+            grammars = await asyncio.to_thread(lambda: self.engine.grammars)  # the first use wraps the tokenizer (~1 s)
+            await grammars.compile_async(params.structured)
 
     async def stats(self) -> dict:
         return await self._call("stats")

@@ -104,6 +104,9 @@ class ServeConfig(Config):
     # engine: native: a request still running this long after it arrived ends with 504 (an error event
     # in a stream) and its KV blocks are freed.
     request_timeout_s: float = Field(600.0, gt=0)
+    # engine: native: how tool calls are read from a chat answer (mlplat.serve.tool_parsers): hermes is
+    # <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Hermes 2 Pro, Qwen2.5)
+    tool_call_parser: Literal["hermes"] = "hermes"
     # API keys (tenant:key in $MLPLAT_API_KEYS) and per-tenant rate limits. Validated even when left
     # at its default, because engine: vllm must say `enabled: false` (see _keys_need_the_native_ingress).
     auth: AuthConfig = Field(AuthConfig(), validate_default=True)

@@ -30,6 +30,7 @@ from mlplat.observability.serving import RequestTimer, rejection_reason
 from mlplat.serve.async_engine import DeadlineExceededError, EngineDeadError
 from mlplat.serve.auth import Denied, Gatekeeper
 from mlplat.serve.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body, generation_defaults, new_id, now
+from mlplat.serve.tool_parsers import get_parser
 
 app = FastAPI(title="mlplat OpenAI-compatible API")
 log = logging.getLogger("mlplat.serve")
@@ -37,6 +38,13 @@ log = logging.getLogger("mlplat.serve")
 
 def _count_response(status: int) -> None:
     metrics.SERVE_REQUESTS.inc(model=getattr(app.state, "model_name", ""), status=str(status))
+
+
+def _label_metrics(model_name: str) -> None:
+    """The model label of the requests and rejections counters. Serve pickles the ingress class by value, and with it
+    a copy of ``app`` in its methods' globals: ``app.state`` set there never reached the middleware, which reads this
+    module's ``app`` (the counters had no model label). A module function is pickled by reference: it sets the real one."""
+    app.state.model_name = model_name
 
 
 app.add_middleware(RequestIdMiddleware, on_response=_count_response)  # X-Request-Id into logs and error bodies; requests by status
@@ -70,6 +78,9 @@ async def _validation_error(request: Request, err: RequestValidationError):
         message = "request body is not valid JSON"
     elif first["type"] == "extra_forbidden":  # a field the server does not handle: refused, never silently dropped
         message = f"{param}: not supported by this server; leave it out (docs/serving.md lists the supported fields)"
+    elif param is None and first["type"] == "value_error":  # a check across fields: its message starts with the field it names
+        message = first["msg"].removeprefix("Value error, ")
+        param = message.split(":", 1)[0] if ":" in message and " " not in message.split(":", 1)[0] else None
     else:
         message = f"{param}: {first['msg']}"
     return _error_response(request, 400, error_body(message, param), "invalid_request")
@@ -138,8 +149,10 @@ class Detokenizer:
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(self, model_dir: str, model_name: str, mode: str, default_max_tokens: int | None, max_model_len: int, vocab_size: int,
-                 request_timeout_s: float, max_sequences_in_flight: int, gate: Gatekeeper, llm=None, prefill=None, decode=None):
+                 request_timeout_s: float, max_sequences_in_flight: int, gate: Gatekeeper, llm=None, prefill=None, decode=None,
+                 tool_call_parser: str = "hermes"):  # fmt: skip
         self.tokenizer = load_tokenizer(model_dir)
+        self.tool_parser = get_parser(tool_call_parser)
         self.generation_defaults = generation_defaults(model_dir)
         self.model_name, self.mode = model_name, mode
         self.default_max_tokens, self.max_model_len, self.vocab_size = default_max_tokens, max_model_len, vocab_size
@@ -147,7 +160,7 @@ class OpenAIIngress:
         self.max_sequences_in_flight, self.sequences_in_flight = max_sequences_in_flight, 0  # see mlplat.serve.admission
         self.gate = gate
         self.llm, self.prefill, self.decode = llm, prefill, decode
-        app.state.model_name = model_name  # one ingress per replica process: the label of its metrics
+        _label_metrics(model_name)  # one ingress per replica process: the label of its metrics
 
     # -- routes -------------------------------------------------------------------------------
     @app.get("/health")
@@ -207,9 +220,17 @@ class OpenAIIngress:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self._authorize(request)
         self._check_model(body.model)
-        text = self.tokenizer.apply_chat_template(body.template_messages(), tokenize=False, add_generation_prompt=True)
+        tools = body.template_tools()  # in the prompt through the chat template's tools section
+        text = self.tokenizer.apply_chat_template(body.template_messages(), tools=tools, tokenize=False, add_generation_prompt=True)
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
         return await self._respond(body, prompt_ids, chat=True, logprobs=body.logprobs, request=request)
+
+    def _tool_calls(self, body, text: str) -> tuple[str | None, list[dict]]:
+        """(content, tool calls) of a chat answer: calls parsed out where the request has active tools."""
+        if not isinstance(body, ChatCompletionRequest) or not body.tools_active():
+            return text, []
+        content, calls = self.tool_parser.parse(text, {t.function.name for t in body.tools})
+        return content, [c.as_openai() for c in calls]
 
     # -- helpers --------------------------------------------------------------------------------
     def _authorize(self, request: Request) -> str:
@@ -263,10 +284,10 @@ class OpenAIIngress:
             timer.on_delta(first["index"], len(first["token_ids"]))
             if body.stream:
                 include_usage = body.stream_options is not None and body.stream_options.include_usage
-                sse = self._sse(first, deltas, params, request_id, chat, timer, len(prompt_ids), include_usage, echo)
+                sse = self._sse(first, deltas, params, request_id, chat, timer, len(prompt_ids), include_usage, echo, body)
                 streaming = True  # the stream gives the sequences back when it ends
                 return StreamingResponse(self._releasing(sse, params.n), media_type="text/event-stream")
-            return await self._collect(first, deltas, params, prompt_ids, request_id, chat, timer, echo)
+            return await self._collect(first, deltas, params, prompt_ids, request_id, chat, timer, echo, body)
         finally:
             if not streaming:
                 self.sequences_in_flight -= params.n
@@ -303,8 +324,9 @@ class OpenAIIngress:
                     reason = {"overloaded": "overloaded", "engine_unavailable": "unavailable", "timeout": "timeout"}.get(code)
                     message = f"server overloaded: {cause}" if code == "overloaded" else str(cause) or type(cause).__name__
                     return APIError(status, message, code=code, headers={"Retry-After": "1"} if retry else None, reason=reason)
-            if isinstance(cause, ValueError):
-                return APIError(400, str(cause))
+            if isinstance(cause, ValueError):  # the engine's checks (the innermost: Ray's wrapper is a ValueError too, with a traceback)
+                message = str(next((c for c in reversed(_causes(err)) if isinstance(c, ValueError)), cause))
+                return APIError(400, message, "structured_outputs" if message.startswith("structured_outputs:") else None)
         log.error("request failed: %r", err)
         return APIError(500, f"internal error: {type(_causes(err)[-1]).__name__}")
 
@@ -349,8 +371,10 @@ class OpenAIIngress:
             yield d
 
     async def _sse(self, first, deltas, params, request_id: str, chat: bool, timer: RequestTimer, prompt_tokens: int,
-                   include_usage: bool = False, echo: str = ""):  # fmt: skip
+                   include_usage: bool = False, echo: str = "", body=None):  # fmt: skip
         detok = {i: Detokenizer(self.tokenizer, params.stop) for i in range(params.n)}
+        # With active tools the answer is held back until it ends, then sent as tool-call deltas or as content.
+        tools = chat and isinstance(body, ChatCompletionRequest) and body.tools_active()
         base = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": now(), "model": self.model_name}
         if chat:
             for i in range(params.n):
@@ -363,6 +387,20 @@ class OpenAIIngress:
             d = first
             while True:
                 completion_tokens += len(d["token_ids"])
+                if tools:
+                    if d["finish_reason"] is None:
+                        d = await anext(deltas, None)
+                        if d is None:
+                            break
+                        timer.on_delta(d["index"], len(d["token_ids"]))
+                        continue
+                    for chunk in self._tool_chunks(body, d, base):
+                        yield chunk
+                    d = await anext(deltas, None)
+                    if d is None:
+                        break
+                    timer.on_delta(d["index"], len(d["token_ids"]))
+                    continue
                 text = detok[d["index"]].push(d["token_ids"]) if d["finish_reason"] is None else detok[d["index"]].finish(d["text"])
                 if text or d["finish_reason"]:
                     choice = {"index": d["index"], "finish_reason": d["finish_reason"]}
@@ -384,7 +422,24 @@ class OpenAIIngress:
             yield sse_event({"error": {**error_body(e.message, e.param, e.code, type_)["error"], "request_id": current_request_id()}})
         yield "data: [DONE]\n\n"
 
-    async def _collect(self, first, deltas, params, prompt_ids, request_id: str, chat: bool, timer: RequestTimer, echo: str = ""):
+    def _tool_chunks(self, body, d: dict, base: dict) -> list[str]:
+        """The SSE events of one finished choice of a tools request: its content, each call (id and name, then the
+        arguments), then the finish reason (tool_calls where it called any)."""
+        content, calls = self._tool_calls(body, d["text"])
+        i, events = d["index"], []
+        if content:
+            events.append(sse_event({**base, "choices": [{"index": i, "delta": {"content": content}, "finish_reason": None}]}))
+        for k, c in enumerate(calls):
+            head = {"index": k, "id": c["id"], "type": "function", "function": {"name": c["function"]["name"], "arguments": ""}}
+            events.append(sse_event({**base, "choices": [{"index": i, "delta": {"tool_calls": [head]}, "finish_reason": None}]}))
+            args = {"index": k, "function": {"arguments": c["function"]["arguments"]}}
+            events.append(sse_event({**base, "choices": [{"index": i, "delta": {"tool_calls": [args]}, "finish_reason": None}]}))
+        reason = "tool_calls" if calls else d["finish_reason"]
+        events.append(sse_event({**base, "choices": [{"index": i, "delta": {}, "finish_reason": reason}]}))
+        return events
+
+    async def _collect(self, first, deltas, params, prompt_ids, request_id: str, chat: bool, timer: RequestTimer, echo: str = "",
+                       body=None):  # fmt: skip
         tokens = {i: [] for i in range(params.n)}
         logprobs = {i: [] for i in range(params.n)}
         final = {}
@@ -406,7 +461,9 @@ class OpenAIIngress:
             text, reason = final[i]["text"], final[i]["finish_reason"]
             lp = self._logprobs(tokens[i], logprobs[i], chat) if params.logprobs else None
             if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": reason})
+                content, calls = self._tool_calls(body, text)
+                message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
+                choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": "tool_calls" if calls else reason})
             else:
                 choices.append({"index": i, "text": echo + text, "logprobs": lp, "finish_reason": reason})
         completion_tokens = sum(len(t) for t in tokens.values())

@@ -8,14 +8,18 @@ import uuid
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mlplat.engine import SamplingParams
+from mlplat.engine.structured import StructuredOutputs
 
 MAX_N = 8
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
 MAX_PROMPTS = 64  # prompts in one completions request
+MAX_TOOLS = 64  # tools in one chat request (the engine's structured_outputs limits bound each schema's size)
+# vLLM's old structured-output fields, which current vLLM dropped for structured_outputs: refused with a 400 naming it
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern")
 
 # Fields an OpenAI client may send that change nothing in this server's responses: accepted and ignored,
 # as vLLM does (docs/serving.md lists them). Any other field the server does not handle is a 400 naming it.
@@ -41,19 +45,117 @@ class TextPart(BaseModel):
     text: str
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None  # None: an assistant turn that only calls tools
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an earlier assistant turn's calls
+
+    @model_validator(mode="after")
+    def _content(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant message with tool_calls may leave it out)")
+        return self
 
     def for_template(self) -> dict:
         """The message as chat templates take it: text parts joined; ``developer`` (OpenAI's newer name for
-        the instructions role, which templates do not know) as ``system``."""
-        content = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-        message = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        the instructions role, which templates do not know) as ``system``; tool calls' arguments as objects
+        (what Hermes/Qwen-style templates render with ``tojson``)."""
+        content = self.content if isinstance(self.content, str | None) else "".join(part.text for part in self.content)
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                for c in self.tool_calls
+            ]
         return message | {k: v for k, v in (("name", self.name), ("tool_call_id", self.tool_call_id)) if v is not None}
+
+
+def _closed(schema):
+    """A JSON schema whose objects that leave additionalProperties unsaid allow none (as OpenAI's strict mode): arguments
+    still valid for the original, and a model cannot wander off into invented keys until max_tokens cuts the JSON."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (_closed(v) if k not in ("enum", "const", "default", "examples") else v) for k, v in schema.items()}
+    if "properties" in schema:
+        out["properties"] = {k: _closed(v) for k, v in schema["properties"].items()}
+    if (schema.get("type") == "object" or "properties" in schema) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # the schema is always enforced, strict or not
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only then")
+        return self
+
+    def structured(self) -> StructuredOutputs | None:
+        if self.type == "json_object":
+            return StructuredOutputs(json_object=True)
+        return StructuredOutputs(json=self.json_schema.schema_) if self.type == "json_schema" else None
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(BaseModel):
@@ -84,6 +186,15 @@ class _Common(BaseModel):
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    # structured outputs (engine.structured): OpenAI's response_format, or vLLM's structured_outputs
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Any = None  # GUIDED: refused
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
     # accepted, no effect on the output (NO_EFFECT)
     user: Any = None
     metadata: Any = None
@@ -92,6 +203,22 @@ class _Common(BaseModel):
     prompt_cache_key: Any = None
     prompt_cache_retention: Any = None
     safety_identifier: Any = None
+
+    @field_validator(*GUIDED)
+    @classmethod
+    def _guided(cls, value, info):
+        raise ValueError(f"removed in current vLLM; use structured_outputs instead (e.g. structured_outputs: "
+                         f"{{\"{info.field_name.removeprefix('guided_')}\": ...}})")  # fmt: skip
+
+    @model_validator(mode="after")
+    def _one_structure(self):
+        if self.structured_outputs is not None and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("structured_outputs: give it or response_format, not both")
+        return self
+
+    def structured(self) -> StructuredOutputs | None:
+        """The grammar the output must follow, if the request asks for one."""
+        return self.structured_outputs or (self.response_format.structured() if self.response_format else None)
 
     @field_validator("stream_options")
     @classmethod
@@ -123,6 +250,7 @@ class _Common(BaseModel):
             stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            structured=self.structured(),
             # only what differs from the engine's defaults, so requests that use none of them build plain params
             **{k: v for k, v in controls.items() if v != SamplingParams.model_fields[k].default},
         )
@@ -157,10 +285,47 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=0)  # top alternatives are not returned; 0 or unset
-    parallel_tool_calls: Any = None  # no effect without tools (which are refused)
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools, else none
+    parallel_tool_calls: bool | None = None  # auto may return several calls; required and a named function force one
+
+    @model_validator(mode="after")
+    def _tool_choice(self):
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice: needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in {t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice: no tool named {self.tool_choice.function.name!r} in tools")
+        if self.forced_tools() and (self.response_format is not None and self.response_format.type != "text" or self.structured_outputs):
+            raise ValueError("tool_choice: required or a named function cannot be combined with response_format or structured_outputs")
+        return self
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def tools_active(self) -> bool:
+        """Whether the model sees the tools and the output is parsed for tool calls."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def forced_tools(self) -> list[Tool]:
+        """The tools one of which the output must call (required: any; a named function: that one); [] if free."""
+        if not self.tools or self.tool_choice in (None, "none", "auto"):
+            return []
+        if self.tool_choice == "required":
+            return list(self.tools)
+        return [t for t in self.tools if t.function.name == self.tool_choice.function.name]
+
+    def structured(self) -> StructuredOutputs | None:
+        forced = self.forced_tools()
+        if not forced:
+            return super().structured()
+        # Hermes' format: one <tool_call> whose JSON names a function and gives arguments valid for its parameters.
+        calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": _closed(t.function.parameters)},
+                  "required": ["name", "arguments"], "additionalProperties": False} for t in forced]  # fmt: skip
+        schema = (calls[0] if len(calls) == 1 else {"anyOf": calls}) | {"x-guidance": {"whitespace_flexible": False}}  # compact JSON
+        return StructuredOutputs(grammar=f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json{json.dumps(schema)}')
+
+    def template_tools(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools_active() else None
 
     def template_messages(self) -> list[dict]:
         return [m.for_template() for m in self.messages]
