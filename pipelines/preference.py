@@ -82,7 +82,7 @@ def reward_model(policy: Model, data: Dataset, stage: PreferenceStageConfig) -> 
     cfg = RewardModelConfig(model=policy.uri, **_preference_data(data, stage), **_recipe_fields(stage, "preference-reward-model"))
     result = run_reward_model(cfg, tracking_uri=context.tracking_uri, work_dir=Path(context.workdir) / "outputs")
     context.nest(result.run_id)
-    context.log_metrics({"eval.pairwise_accuracy": result.eval_accuracy})
+    context.log_metrics({"eval/pairwise_accuracy": result.eval_accuracy})
     model = Model(result.model_version.uri if result.model_version else result.model_dir)
     return {"model": model, "run_id": result.run_id, "eval_accuracy": result.eval_accuracy,
             "first_loss": result.first_loss, "final_loss": result.final_loss}
@@ -97,7 +97,7 @@ def dpo(policy: Model, data: Dataset, stage: PreferenceStageConfig, beta: float)
     cfg = DPOConfig(model=policy.uri, beta=beta, **_preference_data(data, stage), **_recipe_fields(stage, "preference-dpo"))
     result = run_dpo(cfg, tracking_uri=context.tracking_uri, work_dir=Path(context.workdir) / "outputs")
     context.nest(result.run_id)
-    context.log_metrics({"eval.rewards_margin": result.eval_after.rewards_margin, "eval.rewards_accuracy": result.eval_after.rewards_accuracy})
+    context.log_metrics({"eval/rewards_margin": result.eval_after.rewards_margin, "eval/rewards_accuracy": result.eval_after.rewards_accuracy})
     model = Model(result.model_version.uri if result.model_version else result.model_dir)
     return {"model": model, "run_id": result.run_id, "first_loss": result.first_loss, "final_loss": result.final_loss,
             "eval_before": result.eval_before.model_dump(), "eval_after": result.eval_after.model_dump()}

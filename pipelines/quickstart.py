@@ -96,7 +96,7 @@ def tiny_model(data: Dataset, cfg: TinyModelConfig) -> Model:
 def evaluate(model: Model, data: Dataset, limit: int) -> dict:
     """Exact match on the held-out prompts (accuracy, counts, the first completions)."""
     result = evaluate_exact_match(model.local_path(), data.local_path() / "eval.jsonl", limit=limit, progress=step_context().step)
-    step_context().log_metrics({"eval.exact_match": result.accuracy})
+    step_context().log_metrics({"eval/exact_match": result.accuracy})
     return result.model_dump()
 
 
@@ -183,11 +183,11 @@ def register(model: Model, accuracy: float, baseline: float, alias: str) -> Mode
     context = step_context()
     client = context.client
     client.set_registered_model_alias(ref.name, alias, ref.version)
-    client.set_model_version_tag(ref.name, ref.version, "eval.exact_match", f"{accuracy:.4f}")
-    context.log_metrics({"eval.exact_match": accuracy, "eval.exact_match_before": baseline})
+    client.set_model_version_tag(ref.name, ref.version, "eval/exact_match", f"{accuracy:.4f}")
+    context.log_metrics({"eval/exact_match": accuracy, "eval/exact_match_before": baseline})
     training_run = client.get_model_version(ref.name, ref.version).run_id
-    client.log_metric(training_run, "eval.exact_match_before", baseline)
-    client.log_metric(training_run, "eval.exact_match", accuracy)
+    client.log_metric(training_run, "eval/exact_match_before", baseline)
+    client.log_metric(training_run, "eval/exact_match", accuracy)
     return Model(f"models:/{ref.name}@{alias}")
 
 

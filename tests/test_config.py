@@ -97,15 +97,13 @@ def test_a_wrong_data_path_fails_before_a_cluster_or_a_run_starts(tiny_model, tm
 
 @pytest.mark.parametrize("recipe", ["reward_model", "dpo", "grpo"])
 def test_post_training_recipes_check_their_data_before_starting_a_run(recipe, tiny_model, tmp_path):
-    import importlib
-
-    from mlplat.cli import RECIPES
+    from mlplat import recipes
     from mlplat.errors import DataError
 
-    module, (_, config_class, run) = importlib.import_module(f"train_apps.{recipe}"), RECIPES[recipe]
-    cfg = getattr(module, config_class)(model=str(tiny_model), data={"path": str(tmp_path / "missing.jsonl")})
+    entry = recipes.load(recipe)  # through the mlplat.recipes entry points, as `mlplat train` finds it
+    cfg = entry.config(model=str(tiny_model), data={"path": str(tmp_path / "missing.jsonl")})
     with pytest.raises(DataError, match="missing.jsonl: data path not found"):
-        getattr(module, run)(cfg, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", work_dir=tmp_path)
+        entry.run(cfg, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", work_dir=tmp_path)
     assert not (tmp_path / "mlflow.db").exists()  # no MLflow run was started for it
 
 

@@ -18,8 +18,8 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from mlplat.errors import ConfigError
-from mlplat.health.benchmarks import disk_throughput_mbps, rdma_ports
-from mlplat.health.profile import HardwareProfile, load_profile
+from mlplat.health.hardware import HardwareProfile, load_hardware_profile
+from mlplat.health.measurements import disk_throughput_mbps, rdma_ports
 from mlplat.health.report import NodeReport, Thresholds, judge_nodes, robust_z_scores
 
 CPU_FIGURES = {"cpu_matmul_gflops": 100.0, "memory_bandwidth_gbps": 20.0, "disk_write_mbps": 500.0, "disk_read_mbps": 900.0}
@@ -77,19 +77,19 @@ def test_rdma_ports_from_sysfs(tmp_path):
     assert rdma_ports(tmp_path / "absent") == []
 
 
-def test_profiles_load_by_name_and_reject_typos(tmp_path):
-    h100 = load_profile("h100-8x-ib")
+def test_hardware_profiles_load_by_name_and_reject_typos(tmp_path):
+    h100 = load_hardware_profile("h100-8x-ib")
     assert h100.gpus_per_node == 8 and h100.floor("gpu_bf16_tflops") == pytest.approx(650 * 0.8)
-    assert load_profile("cpu-dev").floor("cpu_matmul_gflops") == pytest.approx(20)
+    assert load_hardware_profile("cpu-dev").floor("cpu_matmul_gflops") == pytest.approx(20)
     with pytest.raises(ConfigError, match=r"no hardware profile named 'h200'.*cpu-dev"):
-        load_profile("h200")
+        load_hardware_profile("h200")
     typo = tmp_path / "typo.yaml"
     typo.write_text("name: t\nexpected: {cpu_matmul_gflop: 1}\n")
     with pytest.raises(ConfigError, match="expected.cpu_matmul_gflop"):
-        load_profile(str(typo))
+        load_hardware_profile(str(typo))
 
 
-def test_disk_benchmark_writes_reads_and_cleans_up(tmp_path):
+def test_disk_measurement_writes_reads_and_cleans_up(tmp_path):
     write, read = disk_throughput_mbps(tmp_path, mb=8, trials=1)
     assert write > 0 and read > 0
     assert list(tmp_path.iterdir()) == []

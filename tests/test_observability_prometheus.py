@@ -166,4 +166,4 @@ def test_dashboards_show_training_and_serving_through_prometheus(prometheus, sft
     fractions = {k: v for k, v in metrics.items() if k.startswith("step_time_fraction/")}
     assert set(fractions) == {f"step_time_fraction/{k}" for k in ("data", "compute", "comm", "optimizer", "other")}
     assert sum(fractions.values()) == pytest.approx(1.0, abs=1e-6) and fractions["step_time_fraction/compute"] > 0
-    assert metrics["data.bad_rows"] == 2
+    assert metrics["data/bad_rows"] == 2

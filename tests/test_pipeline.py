@@ -10,9 +10,9 @@ from mlplat.cli import main as cli_main
 from mlplat.data.demo import DemoDataConfig
 from mlplat.errors import ConfigError
 from mlplat.pipeline import Dataset, PipelineDefinitionError, PipelineError, pipeline, step
-from mlplat.pipeline.graph import Graph
-from mlplat.pipeline.loader import load_pipeline
+from mlplat.pipeline.definition import load_pipeline
 from mlplat.pipeline.executor import cache_key
+from mlplat.pipeline.graph import Graph
 from mlplat.pipeline.steps import code_hash
 
 DEMO_DATA = DemoDataConfig()

@@ -32,7 +32,7 @@ def test_sft_on_two_workers_improves_loss_and_registers(sft_run, tiny_model):
     assert 0.5 < run.data.metrics["data/packing_efficiency"] <= 1  # packed rows: mostly real tokens
     assert run.data.metrics["data/tokens"] > SFT_STEPS * 32 * 10  # cumulative, all ranks
     assert len(run.data.tags["mlplat.data.fingerprint"]) == 16 and run.data.tags["mlplat.checkpoint.latest"] == result.checkpoint_path
-    assert run.data.metrics["data.bad_rows"] == 2  # the two rows the fixture spoiled
+    assert run.data.metrics["data/bad_rows"] == 2  # the two rows the fixture spoiled
     # Straggler detection ran every window and, with no slow rank, flagged nothing (tests/test_sft_resume.py injects one).
     assert [m.value for m in client.get_metric_history(result.run_id, "health/stragglers")] == [0.0] * (SFT_STEPS // sft_run.cfg.log_every)
     assert not any(key.startswith("mlplat.health") for key in run.data.tags)

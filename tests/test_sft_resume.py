@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 from mlplat.data.sft import SFTDataConfig
 from mlplat.health.hang import HangConfig
 from mlplat.health.straggler import StragglerConfig
-from mlplat.health.training import FaultInjection, TrainingHealthConfig
+from mlplat.train.health import FaultInjection, TrainingHealthConfig
 from mlplat.train.optim import OptimizerConfig
 from train_apps.sft import SFTConfig, run_sft
 

@@ -28,14 +28,15 @@ Run: ``mlplat train dpo --config dpo.yaml``.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 from pydantic import BaseModel, Field
 
+from mlplat import recipes
 from mlplat.data.preference import PreferenceDataConfig, prepare_preference_dataset, read_preference_pairs
 from mlplat.models import load_model, load_tokenizer
+from mlplat.recipes import Recipe
 from mlplat.tracking import ModelRef
 from mlplat.train.batch import IGNORE_INDEX, PairCollate, PairCounter, answered_pairs
 from mlplat.train.logprobs import sequence_logprobs
@@ -181,10 +182,11 @@ def run_dpo(cfg: DPOConfig, tracking_uri: str | None = None, work_dir: str | Pat
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    from mlplat.cli import main as cli_main
+RECIPE = Recipe("dpo", DPOConfig, run_dpo)  # registered in pyproject.toml's mlplat.recipes entry points
 
-    cli_main(["train", "dpo", *(argv if argv is not None else sys.argv[1:])])
+
+def main(argv: list[str] | None = None) -> None:
+    recipes.main("dpo", argv)
 
 
 if __name__ == "__main__":

@@ -36,12 +36,13 @@ Run: ``mlplat train grpo --config grpo.yaml``.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 from pydantic import Field, model_validator
 
+from mlplat import recipes
+from mlplat.recipes import Recipe
 from mlplat.rl.experience import completion_mask
 from mlplat.rl.loop import RLConfig, rl_loop
 from mlplat.rl.run import RLRunResult, run_rl
@@ -153,10 +154,11 @@ def run_grpo(cfg: GRPOConfig, tracking_uri: str | None = None, work_dir: str | P
     return run_rl("grpo", cfg, grpo_loop, tracking_uri, work_dir)
 
 
-def main(argv: list[str] | None = None) -> None:
-    from mlplat.cli import main as cli_main
+RECIPE = Recipe("grpo", GRPOConfig, run_grpo)  # registered in pyproject.toml's mlplat.recipes entry points
 
-    cli_main(["train", "grpo", *(argv if argv is not None else sys.argv[1:])])
+
+def main(argv: list[str] | None = None) -> None:
+    recipes.main("grpo", argv)
 
 
 if __name__ == "__main__":

@@ -41,13 +41,14 @@ Run: ``mlplat train ppo --config ppo.yaml``.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 from pydantic import Field, model_validator
 
+from mlplat import recipes
 from mlplat.models import load_reward_model
+from mlplat.recipes import Recipe
 from mlplat.rl.experience import completion_mask, micro_batches
 from mlplat.rl.loop import RLConfig, Trainable, extra_trainable, rl_loop
 from mlplat.rl.run import RLRunResult, run_rl
@@ -216,10 +217,11 @@ def run_ppo(cfg: PPOConfig, tracking_uri: str | None = None, work_dir: str | Pat
     return PPOResult(**result.model_dump(), critic_model=critic_start[0])
 
 
-def main(argv: list[str] | None = None) -> None:
-    from mlplat.cli import main as cli_main
+RECIPE = Recipe("ppo", PPOConfig, run_ppo)  # registered in pyproject.toml's mlplat.recipes entry points
 
-    cli_main(["train", "ppo", *(argv if argv is not None else sys.argv[1:])])
+
+def main(argv: list[str] | None = None) -> None:
+    recipes.main("ppo", argv)
 
 
 if __name__ == "__main__":

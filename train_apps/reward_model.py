@@ -19,14 +19,15 @@ Run: ``mlplat train reward_model --config rm.yaml``.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 from pydantic import BaseModel, model_validator
 
+from mlplat import recipes
 from mlplat.data.preference import PreferenceDataConfig, prepare_preference_dataset, read_preference_pairs
 from mlplat.models import load_reward_model, load_tokenizer
+from mlplat.recipes import Recipe
 from mlplat.tracking import ModelRef
 from mlplat.train.batch import PairCollate, PairCounter, answered_pairs
 from mlplat.train.loop import RecipeConfig, run_steps, train_shard, trainable, worker_setup
@@ -127,10 +128,11 @@ def run_reward_model(cfg: RewardModelConfig, tracking_uri: str | None = None, wo
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    from mlplat.cli import main as cli_main
+RECIPE = Recipe("reward_model", RewardModelConfig, run_reward_model)  # registered in pyproject.toml's mlplat.recipes entry points
 
-    cli_main(["train", "reward_model", *(argv if argv is not None else sys.argv[1:])])
+
+def main(argv: list[str] | None = None) -> None:
+    recipes.main("reward_model", argv)
 
 
 if __name__ == "__main__":

@@ -21,13 +21,14 @@ Run: ``python -m train_apps.sft --config sft.yaml --set optim.lr=3e-4``.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from pydantic import BaseModel, Field
 
+from mlplat import recipes
 from mlplat.data.sft import DataReport, SFTDataConfig, prepare_sft_dataset
 from mlplat.models import load_model, load_tokenizer
+from mlplat.recipes import Recipe
 from mlplat.tracking import ModelRef
 from mlplat.train.batch import PadCollate
 from mlplat.train.loop import RecipeConfig, run_steps, train_shard, trainable, worker_setup
@@ -92,10 +93,11 @@ def run_sft(cfg: SFTConfig, tracking_uri: str | None = None, work_dir: str | Pat
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    from mlplat.cli import main as cli_main
+RECIPE = Recipe("sft", SFTConfig, run_sft)  # registered in pyproject.toml's mlplat.recipes entry points
 
-    cli_main(["train", "sft", *(argv if argv is not None else sys.argv[1:])])
+
+def main(argv: list[str] | None = None) -> None:
+    recipes.main("sft", argv)
 
 
 if __name__ == "__main__":

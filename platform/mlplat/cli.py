@@ -7,16 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from mlplat.errors import MlplatError
-
-# train_apps/<recipe>.py: (help, its config class, its run function).
-RECIPES = {
-    "sft": ("supervised fine-tuning on Ray Train (train_apps/sft.py)", "SFTConfig", "run_sft"),
-    "reward_model": ("reward model on preference pairs, Bradley-Terry (train_apps/reward_model.py)", "RewardModelConfig", "run_reward_model"),
-    "dpo": ("direct preference optimization against a frozen reference (train_apps/dpo.py)", "DPOConfig", "run_dpo"),
-    "grpo": ("GRPO with rollout actors on the native engine (train_apps/grpo.py)", "GRPOConfig", "run_grpo"),
-    "ppo": ("PPO with a critic and rollout actors on the native engine (train_apps/ppo.py)", "PPOConfig", "run_ppo"),
-}
+from mlplat import recipes
+from mlplat.errors import MlplatError, exit_on_user_error
 
 
 def add_verbose_arg(p: argparse.ArgumentParser) -> None:
@@ -57,11 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("uri")
 
     train = sub.add_parser("train", help="training recipes").add_subparsers(dest="recipe", required=True, metavar="RECIPE")
-    for name, (help_text, _, _) in RECIPES.items():
-        p = train.add_parser(name, help=help_text)
-        _add_config_args(p)
-        p.add_argument("--address", help="Ray cluster address (default: start a local one)")
-        add_verbose_arg(p)
+    for name, ep in recipes.registered().items():  # the mlplat.recipes entry points; no recipe is imported here
+        recipes.add_args(train.add_parser(name, help=recipes.summary(ep)))
 
     p = sub.add_parser("serve", help="serve a model over the OpenAI API on Ray Serve (PD-disaggregated or colocated)")
     _add_config_args(p)
@@ -123,19 +112,7 @@ def _run(args: argparse.Namespace) -> None:
 
         print(resolve_model(args.uri))
     elif args.command == "train":
-        import importlib
-
-        from mlplat.runtime import init_ray
-
-        recipe = importlib.import_module(f"train_apps.{args.recipe}")
-        _, config_class, run = RECIPES[args.recipe]
-        cfg = load_config(getattr(recipe, config_class), args.config, args.overrides)
-        from mlplat.observability.console import command_terminal, result
-
-        with command_terminal(f"train-{args.recipe}", "outputs", args.verbose):
-            if args.address:  # without one, the recipe starts a local cluster itself, after checking its inputs
-                init_ray(args.address, cfg.num_workers)
-            result(getattr(recipe, run)(cfg).model_dump_json(indent=2))
+        recipes.run(recipes.load(args.recipe), args)
     elif args.command == "serve":
         from mlplat.serve.config import ServeConfig
 
@@ -221,11 +198,7 @@ def _serve(cfg, address: str | None) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    try:
-        _run(args)
-    except MlplatError as err:
-        print(f"mlplat: error: {err}", file=sys.stderr)
-        sys.exit(2)
+    exit_on_user_error(lambda: _run(args))
 
 
 if __name__ == "__main__":

@@ -15,3 +15,14 @@ class DataError(MlplatError):
 
 class CheckpointError(MlplatError):
     """A model directory or registry URI that does not hold a usable checkpoint."""
+
+
+def exit_on_user_error(command):
+    """Run ``command()``; a :class:`MlplatError` prints as one line (``mlplat: error: ...``) and exits 2."""
+    import sys
+
+    try:
+        return command()
+    except MlplatError as err:
+        print(f"mlplat: error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -1,6 +1,6 @@
-"""Cluster health: node acceptance benchmarks, and slow- and hung-rank detection during training.
+"""Cluster health: node acceptance measurements, and slow- and hung-rank detection during training.
 
-- ``check``: ``mlplat health check`` -- benchmarks pinned to every node, an all-reduce across them,
+- ``check``: ``mlplat health check`` -- measurements pinned to every node, an all-reduce across them,
   verdicts against a hardware profile (``cluster_configs/hardware/``) and the cluster's median
 - ``marking``: failing nodes quarantined (reversibly) so that opted-in jobs avoid them
 - ``straggler``: flags a rank slower than the others for K consecutive log windows

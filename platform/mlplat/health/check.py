@@ -1,4 +1,4 @@
-"""``mlplat health check``: acceptance benchmarks on every node, a collective across them, verdicts, action.
+"""``mlplat health check``: acceptance measurements on every node, a collective across them, verdicts, action.
 
     1. one probe actor per node (one per GPU on GPU nodes), pinned with NodeAffinitySchedulingStrategy(soft=False)
     2. each measures its node (CPU matmul, memory and disk bandwidth, RDMA ports) and its GPU
@@ -29,8 +29,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from mlplat.config import Config, to_flat_params
 from mlplat.errors import ConfigError, MlplatError
-from mlplat.health import benchmarks, marking
-from mlplat.health.profile import BenchmarkSizes, HardwareProfile, load_profile
+from mlplat.health import marking, measurements
+from mlplat.health.hardware import HardwareProfile, MeasurementSizes, load_hardware_profile
 from mlplat.health.report import CollectiveReport, HealthReport, NodeReport, Thresholds, judge_collective, judge_nodes
 from mlplat.tracking import RunLogger, start_run
 
@@ -59,28 +59,28 @@ class NodeProbe:
         self.node_level = node_level
         torch.set_num_threads(max(1, min(threads, os.cpu_count() or 1)))  # the whole node, not the one CPU Ray reserved
 
-    def measure(self, sizes: BenchmarkSizes, disk_dir: str | None, slowdown: float) -> dict[str, Any]:
+    def measure(self, sizes: MeasurementSizes, disk_dir: str | None, slowdown: float) -> dict[str, Any]:
         metrics: dict[str, float] = {}
         facts: dict[str, Any] = {"hostname": socket.gethostname()}
         faults: list[str] = []
         if torch.cuda.is_available():
             device = torch.device("cuda", 0)  # Ray assigned this probe one GPU
-            gpu = benchmarks.GpuHealth(device)  # watching for XIDs from before the load starts
-            metrics |= benchmarks.gpu_figures(device, sizes, slowdown)
+            gpu = measurements.GpuHealth(device)  # watching for XIDs from before the load starts
+            metrics |= measurements.gpu_figures(device, sizes, slowdown)
             gpu_id = ray.get_gpu_ids()[0]  # the node's numbering, as in CUDA_VISIBLE_DEVICES
             faults += [f"GPU {gpu_id}: {fault}" for fault in gpu.faults()]
             facts["gpu"] = {"id": gpu_id, "name": torch.cuda.get_device_name(device), **gpu.facts}
         if self.node_level:
             directory = Path(disk_dir) if disk_dir else Path(os.environ.get("TMPDIR", "/tmp"))
-            metrics["cpu_matmul_gflops"] = benchmarks.cpu_matmul_gflops(sizes.cpu_matmul, sizes.trials, slowdown)
-            metrics["memory_bandwidth_gbps"] = benchmarks.memory_bandwidth_gbps(sizes.memory_mb, sizes.trials, slowdown)
-            write, read = benchmarks.disk_throughput_mbps(directory, sizes.disk_mb, sizes.trials, slowdown)
+            metrics["cpu_matmul_gflops"] = measurements.cpu_matmul_gflops(sizes.cpu_matmul, sizes.trials, slowdown)
+            metrics["memory_bandwidth_gbps"] = measurements.memory_bandwidth_gbps(sizes.memory_mb, sizes.trials, slowdown)
+            write, read = measurements.disk_throughput_mbps(directory, sizes.disk_mb, sizes.trials, slowdown)
             metrics |= {"disk_write_mbps": write, "disk_read_mbps": read}
-            ports = benchmarks.rdma_ports()
+            ports = measurements.rdma_ports()
             facts |= {
                 "cpu_threads": torch.get_num_threads(),
                 "disk_dir": str(directory),
-                "disk_fs": benchmarks.filesystem_type(directory),
+                "disk_fs": measurements.filesystem_type(directory),
                 "rdma_ports": [p.model_dump() for p in ports],
             }
             faults += [f"RDMA port {p.device}/{p.port} is {p.state}" for p in ports if p.state != "ACTIVE"]
@@ -133,7 +133,7 @@ def _start_probes(node: dict) -> list[_Probe]:
     ]
 
 
-def _measure(probes: dict[str, list[_Probe]], cfg: HealthCheckConfig, sizes: BenchmarkSizes) -> dict[str, list[dict | Exception]]:
+def _measure(probes: dict[str, list[_Probe]], cfg: HealthCheckConfig, sizes: MeasurementSizes) -> dict[str, list[dict | Exception]]:
     """Every probe's measurement: ``max_concurrent_nodes`` nodes per wave, all nodes ``rounds`` times over."""
     node_ids = list(probes)
     wave_size = cfg.max_concurrent_nodes or len(node_ids)
@@ -189,7 +189,7 @@ def _merge(node: dict, outcomes: list[dict | Exception]) -> NodeReport:
     return report
 
 
-def _collective(probes: list[_Probe], cfg: HealthCheckConfig, sizes: BenchmarkSizes) -> CollectiveReport:
+def _collective(probes: list[_Probe], cfg: HealthCheckConfig, sizes: MeasurementSizes) -> CollectiveReport:
     """All-reduce bus bandwidth across ``probes`` (one rank each), as nccl-tests defines it."""
     n = len(probes)
     report = CollectiveReport(backend="nccl" if all(p.gpu for p in probes) else "gloo", ranks=n, size_mb=sizes.allreduce_mb)
@@ -223,7 +223,7 @@ def _act(report: HealthReport, action: str) -> None:
 
 def _log_run(report: HealthReport, cfg: HealthCheckConfig, profile: HardwareProfile, tracking_uri: str | None) -> str:
     tags = {
-        "mlplat.health.profile": profile.name,
+        "mlplat.health.hardware_profile": profile.name,
         "mlplat.health.passed": str(report.passed),
         "mlplat.health.failed_nodes": ",".join(n.node_id for n in report.failed_nodes),
     }
@@ -260,7 +260,7 @@ def _export_metrics(report: HealthReport) -> None:
 
 def run_health_check(cfg: HealthCheckConfig, tracking_uri: str | None = None) -> HealthReport:
     """Check every alive node of the connected Ray cluster; act on and record the verdicts."""
-    profile = load_profile(cfg.profile)
+    profile = load_hardware_profile(cfg.profile)
     started = time.time()
     alive = [n for n in ray.nodes() if n["Alive"]]
     if unknown := set(cfg.debug_slowdown) - {n["NodeID"] for n in alive}:

@@ -13,7 +13,7 @@ def add_commands(sub) -> None:
     health = sub.add_parser("health", help="node acceptance checks; quarantine of failing nodes")
     actions = health.add_subparsers(dest="health_command", required=True, metavar="ACTION")
     address_help = "Ray cluster address (default: the running local cluster)"
-    p = actions.add_parser("check", help="benchmark every node against a hardware profile and the cluster median; exit 1 if any fails")
+    p = actions.add_parser("check", help="measure every node against a hardware profile and the cluster median; exit 1 if any fails")
     p.add_argument("--config", help="health check config YAML (HealthCheckConfig)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field, e.g. --set profile=h100-8x-ib --set disk_dir=/mnt/nvme (repeatable)")

@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from mlplat.config import Config
-from mlplat.health.profile import NODE_METRICS, HardwareProfile
+from mlplat.health.hardware import NODE_METRICS, HardwareProfile
 
 
 class Thresholds(Config):

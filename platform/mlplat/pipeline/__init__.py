@@ -46,8 +46,8 @@ __all__ = [  # noqa: RUF022 - grouped as in _EXPORTS
 if TYPE_CHECKING:
     from mlplat.pipeline.artifacts import Artifact, Checkpoint, Dataset, Model
     from mlplat.pipeline.definition import Pipeline, pipeline
-    from mlplat.pipeline.graph import PipelineDefinitionError, StepOutput
     from mlplat.pipeline.executor import PipelineError, PipelineResult
+    from mlplat.pipeline.graph import PipelineDefinitionError, StepOutput
     from mlplat.pipeline.steps import Step, StepContext, StepOptions, step, step_context
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 from datetime import datetime
+
+from mlplat.pipeline.command import add_run_args, run_pipeline
 
 COMMANDS = ("run", "submit", "jobs")
 
@@ -25,12 +26,9 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
 
 def add_commands(sub) -> None:
     p = sub.add_parser("run", help="run a pipeline on a local Ray cluster (or --address)")
-    _add_pipeline_args(p)
-    p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else start a local cluster)")
-    p.add_argument("--namespace", help="Ray namespace for the run (set by submit --tenant)")
-    p.add_argument("--workdir", help="scratch directory for step files (default: outputs/pipelines/NAME)")
-    p.add_argument("-v", "--verbose", action="store_true",
-                   help="show Ray's and MLflow's own logs here (default: in a log file whose path is printed)")
+    p.add_argument("file", help="a .py file defining a @pipeline, e.g. pipelines/quickstart.py")
+    p.add_argument("--pipeline", help="which @pipeline, when the file defines several")
+    add_run_args(p)  # --param, --no-cache, --address, ...: the same as a pipeline module's python -m
 
     p = sub.add_parser("submit", help="run a pipeline as a Ray job on a cluster (Jobs API)")
     _add_pipeline_args(p)
@@ -58,16 +56,9 @@ def add_commands(sub) -> None:
 
 def run_command(args: argparse.Namespace) -> None:
     if args.command == "run":
-        from mlplat.observability.console import command_terminal, result
-        from mlplat.pipeline.artifacts import to_json
-        from mlplat.pipeline.loader import load_pipeline
+        from mlplat.pipeline.definition import load_pipeline
 
-        pipe = load_pipeline(args.file, args.pipeline)
-        pipe.build(overrides=args.params)  # bad parameters are a one-line error before anything starts
-        with command_terminal(f"run-{pipe.name}", args.workdir or "outputs", args.verbose):
-            run = pipe.run(overrides=args.params, use_cache=not args.no_cache, address=args.address, namespace=args.namespace,
-                           workdir=args.workdir)
-            result(json.dumps({"run_id": run.run_id, "experiment": run.experiment, "outputs": to_json(run.outputs)}, indent=2))
+        run_pipeline(load_pipeline(args.file, args.pipeline), args)
         return
 
     from mlplat.pipeline.jobs import Jobs, submit_pipeline

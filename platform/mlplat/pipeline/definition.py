@@ -111,10 +111,16 @@ class Pipeline:
 
     def main(self, argv: list[str] | None = None) -> None:
         """``python -m package.module --param k=v [--no-cache]``: the same as ``mlplat run FILE``."""
-        from mlplat.cli import main as cli_main
+        import argparse
 
-        source = inspect.getsourcefile(self.fn)
-        cli_main(["run", str(source), "--pipeline", self.name, *(sys.argv[1:] if argv is None else argv)])
+        from mlplat.errors import exit_on_user_error
+        from mlplat.pipeline.command import add_run_args, run_pipeline
+
+        parser = argparse.ArgumentParser(prog=f"python -m {self.fn.__module__}", description=f"run pipeline {self.name!r}")
+        add_run_args(parser)
+        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+        # Loaded again from its file under its package path, so step workers import the same module.
+        exit_on_user_error(lambda: run_pipeline(load_pipeline(inspect.getsourcefile(self.fn), self.name), args))
 
     def __repr__(self) -> str:
         return f"<pipeline {self.name}>"
@@ -139,3 +145,21 @@ def _code_root(fn: Callable) -> str | None:
     for _ in fn.__module__.split(".")[1:]:
         root = root.parent
     return str(root)
+
+
+def load_pipeline(file: str | Path, name: str | None = None) -> Pipeline:
+    """The ``@pipeline`` of a .py file (``name``: which one, when it defines several)."""
+    from mlplat.errors import MlplatError
+    from mlplat.pipeline.loader import import_file
+
+    module = import_file(file)
+    pipelines = {p.name: p for p in vars(module).values() if isinstance(p, Pipeline)}
+    if name is not None:
+        if name not in pipelines:
+            raise MlplatError(f"{file}: no pipeline named {name!r} (found: {', '.join(pipelines) or 'none'})")
+        return pipelines[name]
+    if not pipelines:
+        raise MlplatError(f"{file}: no @pipeline found (decorate the function that wires the steps with @pipeline)")
+    if len(pipelines) > 1:
+        raise MlplatError(f"{file}: several pipelines ({', '.join(pipelines)}): choose one with --pipeline NAME")
+    return next(iter(pipelines.values()))

@@ -171,7 +171,7 @@ def submit_pipeline(
     follow: bool = False,
 ) -> str:
     from mlplat.config import load_config
-    from mlplat.pipeline.loader import load_pipeline
+    from mlplat.pipeline.definition import load_pipeline
     from mlplat.tracking import default_tracking_uri
 
     root = Path(working_dir).resolve()

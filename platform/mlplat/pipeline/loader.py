@@ -1,4 +1,5 @@
-"""Load a pipeline definition from a file path, the way ``mlplat run|submit FILE`` name it.
+"""Import a pipeline file from its path, the way ``mlplat run|submit FILE`` name it
+(``mlplat.pipeline.definition.load_pipeline`` then picks its ``@pipeline``).
 
 The file is imported under its package path (``pipelines/quickstart.py`` inside a package
 directory is ``pipelines.quickstart``) from the directory above its packages, so step
@@ -11,9 +12,9 @@ import importlib
 import sys
 import traceback
 from pathlib import Path
+from types import ModuleType
 
 from mlplat.errors import MlplatError
-from mlplat.pipeline.definition import Pipeline
 
 
 def module_location(path: Path) -> tuple[Path, str]:
@@ -27,7 +28,8 @@ def module_location(path: Path) -> tuple[Path, str]:
     return root, ".".join(parts)
 
 
-def load_pipeline(file: str | Path, name: str | None = None) -> Pipeline:
+def import_file(file: str | Path) -> ModuleType:
+    """The module of a .py file, imported under its package path; import errors as one-line MlplatErrors."""
     path = Path(file)
     if path.suffix != ".py" or not path.is_file():
         raise MlplatError(f"{file}: pipeline file not found (expected a .py file defining a @pipeline)")
@@ -46,13 +48,4 @@ def load_pipeline(file: str | Path, name: str | None = None) -> Pipeline:
     except Exception as err:  # noqa: BLE001 - any import-time error of user code, as one line
         frame = traceback.extract_tb(err.__traceback__)[-1]
         raise MlplatError(f"{file}: importing it failed: {type(err).__name__}: {err} ({Path(frame.filename).name}:{frame.lineno})") from None
-    pipelines = {p.name: p for p in vars(module).values() if isinstance(p, Pipeline)}
-    if name is not None:
-        if name not in pipelines:
-            raise MlplatError(f"{file}: no pipeline named {name!r} (found: {', '.join(pipelines) or 'none'})")
-        return pipelines[name]
-    if not pipelines:
-        raise MlplatError(f"{file}: no @pipeline found (decorate the function that wires the steps with @pipeline)")
-    if len(pipelines) > 1:
-        raise MlplatError(f"{file}: several pipelines ({', '.join(pipelines)}): choose one with --pipeline NAME")
-    return next(iter(pipelines.values()))
+    return module

@@ -37,7 +37,7 @@ from pydantic import Field, field_validator, model_validator
 from mlplat.data.ingest import DataConfig
 from mlplat.data.rl_prompts import prompt_messages
 from mlplat.evaluation import read_eval_rows
-from mlplat.health.training import RankHealth
+from mlplat.train.health import RankHealth
 from mlplat.models import load_model, load_tokenizer
 from mlplat.observability import catalogue as oc
 from mlplat.observability.progress import ProgressReporter

@@ -19,7 +19,7 @@ from mlplat.engine import EngineConfig, LLMEngine, SamplingParams
 
 
 class RolloutConfig(Config):
-    num_workers: int = Field(default=1, ge=1)  # rollout actors; training rank r uses actor r % num_workers
+    num_actors: int = Field(default=1, ge=1)  # rollout actors (not Ray Train workers); training rank r uses actor r % num_actors
     num_cpus: float = Field(default=1, gt=0)  # per actor
     num_gpus: float = Field(default=0, ge=0)  # per actor; 0 on CPU
     device: str = "cpu"
@@ -76,7 +76,7 @@ class RolloutWorker:
 
 def start_rollout_workers(model_dir: str, cfg: RolloutConfig) -> list:
     actor = ray.remote(RolloutWorker).options(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus)
-    workers = [actor.remote(model_dir, cfg.model_dump()) for _ in range(cfg.num_workers)]
+    workers = [actor.remote(model_dir, cfg.model_dump()) for _ in range(cfg.num_actors)]
     ray.get([w.__ray_ready__.remote() for w in workers])  # fail here, not on the first rollout, if one cannot start
     return workers
 

@@ -18,7 +18,7 @@ from pydantic import Field, model_validator
 from mlplat.config import Config
 from mlplat.data.ingest import DataConfig
 from mlplat.data.loader import ShardLoader
-from mlplat.health.training import FaultInjection, RankHealth, TrainingHealthConfig
+from mlplat.train.health import FaultInjection, RankHealth, TrainingHealthConfig
 from mlplat.observability import catalogue
 from mlplat.observability.profiling import ProfileConfig, StepProfiler, step_time_summary
 from mlplat.observability.progress import ProgressReporter

@@ -149,8 +149,8 @@ class RecipeRun:
     def log_data_report(self, report: DataReport) -> None:
         self.logger.set_tags({"mlplat.data.fingerprint": report.fingerprint})
         self.logger.log_metrics({
-            "data.rows_read": report.rows_read, "data.bad_rows": report.bad_rows, "data.rows_used": report.rows_used,
-            **{f"data.source{i}.rows_used": s.rows_used for i, s in enumerate(report.sources)},
+            "data/rows_read": report.rows_read, "data/bad_rows": report.bad_rows, "data/rows_used": report.rows_used,
+            **{f"data/source{i}/rows_used": s.rows_used for i, s in enumerate(report.sources)},
         })  # fmt: skip
         for reason, rows in report.bad_rows_by_reason.items():
             catalogue.TRAIN_REJECTED_ROWS.inc(rows, recipe=self.recipe, run_id=self.run_id, reason=reason[:80])

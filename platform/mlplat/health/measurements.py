@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel
 
-from mlplat.health.profile import BenchmarkSizes
+from mlplat.health.hardware import MeasurementSizes
 
 _MB = 2**20
 _CHUNK = 8 * _MB  # disk I/O unit: large enough for sequential throughput, small enough to hold twice in memory
@@ -117,7 +117,7 @@ def filesystem_type(path: Path) -> str:
     return fs_type
 
 
-def gpu_figures(device: torch.device, sizes: BenchmarkSizes, slowdown: float = 1.0) -> dict[str, float]:
+def gpu_figures(device: torch.device, sizes: MeasurementSizes, slowdown: float = 1.0) -> dict[str, float]:
     """bf16 matmul TFLOP/s, device-memory copy and host<->device bandwidth of one GPU."""
     figures = {
         "gpu_bf16_tflops": _gpu_matmul_tflops(device, sizes.gpu_matmul, sizes.trials, slowdown),
@@ -156,8 +156,8 @@ def _host_device_gbps(device: torch.device, mb: int, trials: int, slowdown: floa
 class GpuHealth:
     """NVML view of one GPU: ECC, row remapping, retired pages, clock slowdowns, and XIDs while it is watched.
 
-    Needs ``nvidia-ml-py`` (``pip install 'mlplat[gpu]'``); without it, only the benchmarks judge the GPU.
-    Create it before the benchmarks so critical XIDs raised under load are caught.
+    Needs ``nvidia-ml-py`` (``pip install 'mlplat[gpu]'``); without it, only the measurements judge the GPU.
+    Create it before the measurements so critical XIDs raised under load are caught.
     """
 
     def __init__(self, device: torch.device):

@@ -29,10 +29,10 @@ NODE_METRICS: tuple[str, ...] = get_args(NodeMetric)
 Metric = Literal[NodeMetric, ClusterMetric]
 
 HARDWARE_DIR = Path("cluster_configs") / "hardware"
-_REPO_ROOT = Path(__file__).resolve().parents[3]  # platform/mlplat/health/profile.py -> the repository
+_REPO_ROOT = Path(__file__).resolve().parents[3]  # platform/mlplat/health/hardware.py -> the repository
 
 
-class BenchmarkSizes(Config):
+class MeasurementSizes(Config):
     """How much work each measurement does: enough to reach steady state on the hardware the profile describes."""
 
     cpu_matmul: int = Field(default=2048, gt=0)  # square matrix side
@@ -58,7 +58,7 @@ class HardwareProfile(Config):
     tolerances: dict[Metric, float] = Field(default_factory=dict)  # per-metric override of ``tolerance``
     gpus_per_node: int = Field(default=0, ge=0)  # a node that shows fewer GPUs fails
     rdma: RdmaExpectation | None = None  # None: RDMA ports are reported where present, not required
-    sizes: BenchmarkSizes = BenchmarkSizes()
+    sizes: MeasurementSizes = MeasurementSizes()
 
     def floor(self, metric: str) -> float | None:
         """The lowest passing figure, or None when the profile does not judge ``metric``."""
@@ -72,7 +72,7 @@ def profile_dirs() -> list[Path]:
     return list(dict.fromkeys([Path.cwd() / HARDWARE_DIR, _REPO_ROOT / HARDWARE_DIR]))
 
 
-def load_profile(name_or_path: str) -> HardwareProfile:
+def load_hardware_profile(name_or_path: str) -> HardwareProfile:
     """A profile by file path, or by name (``cpu-dev`` -> ``cluster_configs/hardware/cpu-dev.yaml``)."""
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or path.is_file():
