@@ -78,7 +78,7 @@ def _rules_without_series(url: str, start: float) -> list[str]:
 
 
 def _health_report() -> HealthReport:
-    """What `mlplat health check` hands the exporter actor, for this cluster's node (its benchmarks: tests/test_health_check.py)."""
+    """What `mlplat health check` hands the exporter actor, for this cluster's node (its measurements: tests/test_health_check.py)."""
     import ray
 
     node = next(n for n in ray.nodes() if n["Alive"])

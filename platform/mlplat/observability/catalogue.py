@@ -122,10 +122,10 @@ SERVE_KV_HANDOFF_FAILURES = Metric(
 
 # -- cluster health: `mlplat health check` results --
 HEALTH = ("node",)
-HEALTH_BENCHMARK = Metric(
-    "mlplat_health_node_benchmark", "gauge", "1",
-    "a node acceptance benchmark's figure (unit in the benchmark name: _gflops, _gbps, _mbps, _tflops)",
-    (*HEALTH, "benchmark"),
+HEALTH_MEASUREMENT = Metric(
+    "mlplat_health_node_measurement", "gauge", "1",
+    "a node acceptance measurement's figure (unit in the measurement's name: _gflops, _gbps, _mbps, _tflops)",
+    (*HEALTH, "measurement"),
 )  # fmt: skip
 HEALTH_NODE_PASSED = Metric("mlplat_health_node_passed", "gauge", "1", "1 if the node passed its last acceptance check, else 0", HEALTH)
 HEALTH_ALLREDUCE_BUSBW = Metric(

@@ -247,7 +247,7 @@ HEALTH = Dashboard(
     variables=(Variable("node", c.HEALTH_NODE_PASSED),),
     panels=(
         Panel("Node passed acceptance (1 = yes)", (Q(c.HEALTH_NODE_PASSED, "max by (node) ({m}{sel})", "{{node}}"),)),
-        Panel("Benchmark figures per node", (Q(c.HEALTH_BENCHMARK, "max by (node, benchmark) ({m}{sel})", "{{node}} {{benchmark}}"),)),
+        Panel("Measured figures per node", (Q(c.HEALTH_MEASUREMENT, "max by (node, measurement) ({m}{sel})", "{{node}} {{measurement}}"),)),
         Panel("All-reduce bus bandwidth (GB/s)", (Q(c.HEALTH_ALLREDUCE_BUSBW, "max({m})", "busbw"),)),
         Panel("Quarantined nodes (1 = quarantined)", (Q(c.HEALTH_NODE_QUARANTINED, "max by (node) ({m}{sel})", "{{node}}"),)),
         Panel("Age of the last health report", (Q(c.HEALTH_REPORT_TIMESTAMP, "time() - max({m})", "age"),),
