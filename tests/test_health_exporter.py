@@ -53,6 +53,9 @@ def test_exporter_holds_the_last_report_and_survives_a_restart(ray_cluster):
     verdicts = {m.group(1): v for labels, v in passed.items() if (m := re.search(r'node="(exporter-test-node-[ab])"', labels))}
     assert verdicts == {"exporter-test-node-a": 1.0, "exporter-test-node-b": 0.0}
     assert list(scraped(c.HEALTH_REPORT_TIMESTAMP.exported).values()) == [pytest.approx(finished)]
+    figures = {m.group(1): v for labels, v in scraped(c.HEALTH_MEASUREMENT.exported).items()
+               if 'measurement="cpu_matmul_gflops"' in labels and (m := re.search(r'node="(exporter-test-node-[ab])"', labels))}
+    assert figures == {"exporter-test-node-a": 120.0, "exporter-test-node-b": 40.0}
     quarantined = scraped(c.HEALTH_NODE_QUARANTINED.exported)
     assert {v for labels, v in quarantined.items() if "exporter-test-node" in labels} == {0.0}  # known to the check, not quarantined
 
