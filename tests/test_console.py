@@ -25,6 +25,7 @@ def test_a_reporter_without_ray_or_a_board_costs_nothing():
     reporter = ProgressReporter("sft", 3)
     for step in range(1, 4):
         reporter.update(step, loss=1.0)  # no Ray in this process's view, or no board: nothing to post, nothing raised
+    assert reporter._board is None
 
 
 QUIET = textwrap.dedent("""

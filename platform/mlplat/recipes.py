@@ -53,7 +53,7 @@ def summary(ep: EntryPoint) -> str:
         doc = ast.get_docstring(ast.parse(Path(origin).read_text())) if origin and origin.endswith(".py") else None
     except (ImportError, OSError, SyntaxError, ValueError):
         doc = None
-    line = (doc or "").strip().splitlines()[0].rstrip(".") if doc else f"{ep.value}"
+    line = doc.strip().splitlines()[0].rstrip(".") if doc else ep.value
     return f"{line} ({ep.module})"
 
 

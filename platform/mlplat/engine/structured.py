@@ -163,7 +163,8 @@ def apply_masks(logits: torch.Tensor, matchers: list[Any]) -> torch.Tensor:
         llguidance.torch.fill_next_token_bitmask(matchers[i], bitmask, j)
     allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
     # REFUSED added where a bit is 0: arithmetic over float rows is ~10x faster on CPU than masked_fill with a bool mask
-    penalty = torch.from_numpy(allowed).to(logits.device, logits.dtype).sub_(1).mul_(-REFUSED)
+    # Moved as bytes (a quarter of a float row per token on a GPU), made a float penalty on the logits' device.
+    penalty = torch.from_numpy(allowed).to(logits.device).to(logits.dtype).sub_(1).mul_(-REFUSED)
     if len(rows) == len(matchers):
         logits.add_(penalty)
     else:

@@ -37,7 +37,6 @@ from pydantic import Field, field_validator, model_validator
 from mlplat.data.ingest import DataConfig
 from mlplat.data.rl_prompts import prompt_messages
 from mlplat.evaluation import read_eval_rows
-from mlplat.train.health import RankHealth
 from mlplat.models import load_model, load_tokenizer
 from mlplat.observability import catalogue as oc
 from mlplat.observability.progress import ProgressReporter
@@ -46,6 +45,7 @@ from mlplat.rl.rewards import RewardConfig, build_reward_fn, weighted_rewards
 from mlplat.rl.rollout import RolloutConfig, held_out_exact_match, sync_weights
 from mlplat.train import collectives
 from mlplat.train.checkpoint import TRAIN_STATE, CheckpointMeta, load_checkpoint, save_checkpoint
+from mlplat.train.health import RankHealth
 from mlplat.train.loop import (
     MetricWindow,
     RecipeConfig,
@@ -249,11 +249,12 @@ def _train(cfg: RLConfig, env: WorkerEnv, algorithm: RLAlgorithm, rollout_worker
         state.data = loader.position.model_copy()
 
         completion_tokens = sum(len(s.completion_ids) for s in samples)
+        mean_reward = rewards.mean().item()
         if progress:
-            progress.update(state.step, reward=rewards.mean().item())
+            progress.update(state.step, reward=mean_reward)
         window.add({
             **mean_of_steps(step_stats), **experience_metrics,
-            "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item(),
+            "reward/mean": mean_reward, "reward/std": rewards.std().item(),
             **({f"rewards/{name}/{stat}": getattr(values, stat)().item() for name, values in per_source.items() for stat in ("mean", "std")}
                if len(per_source) > 1 else {}),
             "entropy": ((scored["entropy"] * mask).sum() / mask.sum().clamp(min=1)).item(),
