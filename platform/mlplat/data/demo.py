@@ -37,7 +37,7 @@ class DemoDataConfig(Config):
     eval_rows: int = 500
     preference_rows: int = 2_000
     rl_rows: int = 2_000
-    validation_rows: int = 300
+    validation_rows: int = Field(300, ge=0)
 
     @model_validator(mode="after")
     def _room_for_training_problems(self) -> DemoDataConfig:
