@@ -64,6 +64,7 @@ class QuickstartResult(BaseModel):
     accuracy_before: float
     accuracy_sft: float
     accuracy_grpo: float | None  # None: post-training skipped (grpo_steps=0)
+    grpo_max_logprob_diff: float | None = None  # largest |trainer - rollout actor| log-prob in GRPO: stale weights show here
     accuracy_after: float  # of the registered version: the better of SFT and GRPO
     first_loss: float
     final_loss: float
@@ -157,7 +158,8 @@ def grpo(policy: Model, data: Dataset, optim: OptimizerConfig, max_steps: int, n
         work_dir=workdir / "outputs",
     )
     context.nest(result.run_id)
-    return {"model": Model(result.model_version.uri), "run_id": result.run_id, "rewards": result.rewards}
+    return {"model": Model(result.model_version.uri), "run_id": result.run_id, "rewards": result.rewards,
+            "max_logprob_diff": result.max_logprob_diff}
 
 
 @step
@@ -237,11 +239,11 @@ def quickstart(cfg: QuickstartConfig = DEFAULTS):
         after_grpo = evaluate.options(name="eval_grpo")(tuned["model"], data, cfg.eval_limit)
         chosen = choose(data, cfg.eval_limit, trained["model"], after_sft, tuned["model"], after_grpo)
     else:
-        after_grpo, chosen = None, choose(data, cfg.eval_limit, trained["model"], after_sft)
+        tuned, after_grpo, chosen = None, None, choose(data, cfg.eval_limit, trained["model"], after_sft)
     released = register(chosen["model"], chosen["accuracy"], before["accuracy"], cfg.alias)
     answers = serve_and_ask(released, data) if cfg.serve else []
     return {"before": before, "after_sft": after_sft, "after_grpo": after_grpo, "chosen": chosen,
-            "sft": trained, "model": released, "served_answers": answers}
+            "sft": trained, "grpo": tuned, "model": released, "served_answers": answers}
 
 
 def run_quickstart(cfg: QuickstartConfig = DEFAULTS, address: str | None = None) -> QuickstartResult:
@@ -255,6 +257,7 @@ def run_quickstart(cfg: QuickstartConfig = DEFAULTS, address: str | None = None)
         accuracy_before=out["before"]["accuracy"],
         accuracy_sft=out["after_sft"]["accuracy"],
         accuracy_grpo=out["after_grpo"]["accuracy"] if out["after_grpo"] else None,
+        grpo_max_logprob_diff=out["grpo"]["max_logprob_diff"] if out["grpo"] else None,
         accuracy_after=out["chosen"]["accuracy"],
         first_loss=out["sft"]["first_loss"],
         final_loss=out["sft"]["final_loss"],

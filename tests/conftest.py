@@ -3,6 +3,7 @@ SFT run (several modules inspect it) and a real Prometheus that can scrape it.""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -115,6 +116,32 @@ def sft_model(tmp_path_factory, tiny_model, one_digit):
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def sampled_reward(model_dir, rows: list[dict], samples_per_prompt: int = 32) -> float:
+    """Mean exact-match reward of temperature-1 samples: the quantity GRPO and PPO maximise, on fixed prompts."""
+    from mlplat.rl.rewards import exact_match
+    from mlplat.rl.rollout import RolloutWorker
+
+    samples = RolloutWorker(str(model_dir), {}).generate([r["messages"] for r in rows], {"n": samples_per_prompt, "max_tokens": 8, "seed": 123})
+    return sum(exact_match(samples, [r for r in rows for _ in range(samples_per_prompt)])) / len(samples)
+
+
+@dataclass
+class RLTask:
+    rows: list[dict]  # the RL tests' prompts: 16 one-digit sums
+    reward_before: float  # sampled_reward of sft_model on them
+
+    def dataset(self, copies: int = 1) -> list[dict]:
+        """The rows as the RL loop's "train" dataset takes them (JSON text, as Ray Data holds them), ``copies`` times."""
+        return [{"text": json.dumps(r)} for r in self.rows] * copies
+
+
+@pytest.fixture(scope="session")
+def rl_task(one_digit, sft_model) -> RLTask:
+    with open(one_digit.rl_prompts) as f:
+        rows = [json.loads(line) for line in f][:16]
+    return RLTask(rows, sampled_reward(sft_model, rows))
 
 
 @pytest.fixture(scope="session")

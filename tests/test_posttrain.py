@@ -1,4 +1,4 @@
-"""Post-training recipes end to end on the real local Ray cluster: reward model, DPO, GRPO.
+"""Post-training recipes end to end: reward model and DPO on the real local Ray cluster, GRPO's loop on two ranks.
 
 The reward model and DPO run as steps of pipelines/preference.py. They all start from a
 small SFT model trained in-process on one-digit reversed sums (conftest's ``sft_model``)
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import ONE_DIGIT
+from conftest import ONE_DIGIT, sampled_reward
 
 pytestmark = pytest.mark.slow
 
@@ -76,36 +76,33 @@ def test_finished_training_jobs_leave_no_processes_behind(preference_run):
     assert not alive(), alive()
 
 
-def sampled_reward(model_dir, rows: list[dict], samples_per_prompt: int = 32) -> float:
-    """Mean exact-match reward of temperature-1 samples: the quantity GRPO maximises, on fixed prompts."""
-    from mlplat.rl.rewards import exact_match
-    from mlplat.rl.rollout import RolloutWorker
+def test_grpo_raises_the_verifiable_reward_with_synced_rollouts(local_group, tmp_path, sft_model, one_digit, rl_task):
+    """The GRPO loop on 2 ranks under plain torch.distributed, each rank sampling from an in-process engine that
+    loads its weights after every update (the quickstart test runs GRPO as a Ray Train job with a rollout actor)."""
+    from functools import partial
 
-    samples = RolloutWorker(str(model_dir), {}).generate([r["messages"] for r in rows], {"n": samples_per_prompt, "max_tokens": 8, "seed": 123})
-    return sum(exact_match(samples, [r for r in rows for _ in range(samples_per_prompt)])) / len(samples)
-
-
-def test_grpo_raises_the_verifiable_reward_with_synced_rollouts(ray_cluster, tracking_uri, tmp_path, sft_model, one_digit):
     from mlplat.data.ingest import DataConfig
-    from train_apps.grpo import GRPOConfig, run_grpo
+    from mlplat.rl.rollout import InProcessRollout
+    from mlplat.train.checkpoint import MODEL_DIR
+    from train_apps.grpo import GRPOConfig, grpo_loop
 
-    # 16 prompts: each rollout's 2 workers x 8 is all of them (2 optimizer steps of 32 completions per worker),
+    # 16 prompts: each rollout's 2 ranks x 8 is all of them (2 optimizer steps of 32 completions per rank),
     # so before/after compare on the same prompts.
-    with open(one_digit.rl_prompts) as f:
-        rows = [json.loads(line) for line in f][:16]
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rl_task.rows))
     cfg = GRPOConfig(
         model=str(sft_model), data=DataConfig(path=str(prompts)), eval_data=str(one_digit.eval),
         max_steps=60, num_workers=2, batch_size_per_worker=32, num_generations=8, steps_per_generation=2, max_completion_length=8, log_every=20,
-        optim={"lr": 1e-4, "warmup_steps": 0, "min_lr_ratio": 1.0}, storage_path=str(tmp_path / "ray_train"), registered_model="grpo-test",
+        optim={"lr": 1e-4, "warmup_steps": 0, "min_lr_ratio": 1.0}, registered_model=None,
     )  # fmt: skip
-    result = run_grpo(cfg, tracking_uri=tracking_uri, work_dir=tmp_path)
+    loop = partial(grpo_loop, rollout_workers=[InProcessRollout(str(sft_model))])
+    run = local_group.run(loop, cfg, tmp_path / "run", {"train": rl_task.dataset()})
+    logged = {key: [m[key] for m in run.metrics if key in m] for key in ("reward/mean", "run/logprob_diff_max", "eval/exact_match_before", "eval/exact_match")}
     # Every step's rollouts came from the weights just trained: trainer and engine agree on their log-probs.
-    assert result.max_logprob_diff < 1e-4
+    assert logged["run/logprob_diff_max"] and logged["run/logprob_diff_max"][-1] < 1e-4
     # No update leaves the reward where it was, a flipped sign pushes it down (stale weights fail the check above).
-    before, after = sampled_reward(sft_model, rows), sampled_reward(result.model_dir, rows)
-    assert after > before + 0.1, (before, after, result.rewards)
-    assert result.rewards[-1] > result.rewards[0], result.rewards
-    assert result.eval_before is not None and result.eval_after is not None  # held-out exact match, logged both ends
-    assert result.model_version is not None
+    rewards = logged["reward/mean"]
+    after = sampled_reward(run.checkpoints[-1] / MODEL_DIR, rl_task.rows)
+    assert after > rl_task.reward_before + 0.1, (rl_task.reward_before, after, rewards)
+    assert rewards[-1] > rewards[0], rewards
+    assert logged["eval/exact_match_before"] and logged["eval/exact_match"]  # held-out exact match, logged both ends

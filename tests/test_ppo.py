@@ -1,15 +1,15 @@
 """PPO (train_apps/ppo.py): GAE, the KL-penalised rewards, whitening and the clipped value loss against plain loops,
-the policy and critic objectives on a tiny batch, and end to end on the real local Ray cluster."""
+the policy and critic objectives on a tiny batch, and the loop raising the reward on two ranks."""
 
 from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
+from functools import partial
 
 import pytest
-import test_posttrain
 import torch
+from conftest import sampled_reward
 
 from mlplat.rl.experience import completion_mask, rollout_batch
 from mlplat.rl.rollout import Sample
@@ -257,35 +257,36 @@ def test_ppo_config_names_and_critic_source():
 
 
 @pytest.mark.slow
-def test_ppo_raises_the_reward_with_synced_rollouts_on_two_workers(ray_cluster, tracking_uri, tmp_path, sft_model, one_digit):
-    from mlflow import MlflowClient
-
+def test_ppo_raises_the_reward_with_synced_rollouts_on_two_ranks(local_group, tmp_path, sft_model, one_digit, rl_task):
+    """The PPO loop on 2 ranks under plain torch.distributed, each sampling from an in-process engine that loads the
+    policy after every update (GRPO's Ray Train job with a rollout actor: the quickstart test)."""
     from mlplat.data.ingest import DataConfig
-    from train_apps.ppo import PPOConfig, run_ppo
+    from mlplat.rl.rollout import InProcessRollout
+    from mlplat.train.checkpoint import MODEL_DIR
+    from train_apps.ppo import PPOConfig, ppo_loop
 
-    # GRPO's test's 16 prompts, each 8 times: PPO samples one completion per prompt, so each rollout (2 workers x 64
-    # prompts, the whole file) holds 8 of every prompt, as GRPO's groups do; before/after compare on the same prompts.
-    with open(one_digit.rl_prompts) as f:
-        rows = [json.loads(line) for line in f][:16]
+    # GRPO's test's 16 prompts, each 8 times: PPO samples one completion per prompt, so each rollout (2 ranks x 64
+    # prompts, the whole dataset) holds 8 of every prompt, as GRPO's groups do; before/after compare on the same prompts.
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows) * 8)
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rl_task.rows) * 8)
     cfg = PPOConfig(
         model=str(sft_model), data=DataConfig(path=str(prompts)), eval_data=str(one_digit.eval),
         max_steps=60, num_workers=2, batch_size_per_worker=32, num_mini_batches=2, num_ppo_epochs=1, max_completion_length=8,
         kl_coef=0.01, log_every=20, reward={"kind": "exact_match"},  # the critic: the policy checkpoint with a new value head
         optim={"lr": 1e-4, "warmup_steps": 0, "min_lr_ratio": 1.0}, critic_optim={"lr": 1e-3, "warmup_steps": 0, "min_lr_ratio": 1.0},
-        storage_path=str(tmp_path / "ray_train"), registered_model="ppo-test",
+        registered_model=None,
     )  # fmt: skip
-    result = run_ppo(cfg, tracking_uri=tracking_uri, work_dir=tmp_path)
-    assert result.max_logprob_diff < 1e-4  # every rollout came from the weights just trained
-    assert result.critic_model == str(sft_model)
-    before, after = test_posttrain.sampled_reward(sft_model, rows), test_posttrain.sampled_reward(result.model_dir, rows)
-    # GRPO's threshold on the same prompts, steps and lr: one process (no Ray Train) gave 0.37 -> 0.55 here with this config.
+    loop = partial(ppo_loop, rollout_workers=[InProcessRollout(str(sft_model))])
+    run = local_group.run(loop, cfg, tmp_path / "run", {"train": rl_task.dataset(copies=8)})
+    last = run.metrics[-1]
+    assert last["run/logprob_diff_max"] < 1e-4  # every rollout came from the weights just trained
+    rewards = [m["reward/mean"] for m in run.metrics if "reward/mean" in m]
+    after = sampled_reward(run.checkpoints[-1] / MODEL_DIR, rl_task.rows)
+    # GRPO's threshold on the same prompts, steps and lr: one process gave 0.37 -> 0.55 here with this config.
     # Updates that ignore the reward leave it where it was; a flipped sign or stale rollouts push it down.
-    assert after > before + 0.1, (before, after, result.rewards)
-    assert result.rewards[-1] > result.rewards[0], result.rewards
-    assert result.eval_before is not None and result.eval_after is not None and result.model_version is not None
-    run = MlflowClient(tracking_uri).get_run(result.run_id).data
-    assert {"objective/kl", "values/mean", "critic/loss", "critic/value_mse", "critic/clip_fraction", "clip_fraction"} <= run.metrics.keys()
-    latest = run.tags["mlplat.checkpoint.latest"]  # the critic's state beside the policy's
-    assert (Path(latest) / "critic" / "train_state.pt").is_file() and (Path(latest) / "model" / "model.safetensors").is_file()
+    assert after > rl_task.reward_before + 0.1, (rl_task.reward_before, after, rewards)
+    assert rewards[-1] > rewards[0], rewards
+    assert "eval/exact_match" in last and any("eval/exact_match_before" in m for m in run.metrics)
+    assert {"objective/kl", "values/mean", "critic/loss", "critic/value_mse", "critic/clip_fraction", "clip_fraction"} <= last.keys()
+    # The critic's state beside the policy's.
+    assert (run.checkpoints[-1] / "critic" / "train_state.pt").is_file() and (run.checkpoints[-1] / MODEL_DIR / "model.safetensors").is_file()

@@ -30,7 +30,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Protocol
 
-import ray
 import torch
 from pydantic import Field, field_validator, model_validator
 
@@ -42,7 +41,7 @@ from mlplat.observability import catalogue as oc
 from mlplat.observability.progress import ProgressReporter
 from mlplat.rl.experience import RowsCollate, batch_moments, completion_mask, micro_batches, rollout_batch, score_completions
 from mlplat.rl.rewards import RewardConfig, build_reward_fn, weighted_rewards
-from mlplat.rl.rollout import RolloutConfig, held_out_exact_match, sync_weights
+from mlplat.rl.rollout import RolloutConfig, generate, held_out_exact_match, sync_weights
 from mlplat.train import collectives
 from mlplat.train.checkpoint import TRAIN_STATE, CheckpointMeta, load_checkpoint, save_checkpoint
 from mlplat.train.health import RankHealth
@@ -168,7 +167,8 @@ def save_trainables(env: WorkerEnv, trainables: list[Trainable], state, tokenize
 
 
 def rl_loop(cfg: RLConfig, env: WorkerEnv, algorithm: RLAlgorithm, rollout_workers: list, reward_scorers: dict | None = None) -> None:
-    """Every rank's loop (mlplat.train.worker), sampling from its rollout actor (rank r uses actor r % len(rollout_workers))."""
+    """Every rank's loop (mlplat.train.worker), sampling from its rollout worker (rank r uses rollout_workers[r % len]: a Ray
+    actor, or an ``InProcessRollout`` of its own where the loop runs without Ray)."""
     health = RankHealth(cfg.health, cfg.debug, env, algorithm.recipe)
     try:
         _train(cfg, env, algorithm, rollout_workers, reward_scorers, health)
@@ -211,7 +211,7 @@ def _train(cfg: RLConfig, env: WorkerEnv, algorithm: RLAlgorithm, rollout_worker
         start = time.perf_counter()
         # The actor seeds each completion seed + its index in the call: one disjoint range per (step, rank).
         seed = cfg.seed + (state.step * world_size + rank) * len(rows) * n
-        samples = ray.get(my_rollout.generate.remote([prompt_messages(r) for r in rows], {**sampling, "seed": seed}))
+        samples = generate(my_rollout, [prompt_messages(r) for r in rows], {**sampling, "seed": seed})
         rollout_s = time.perf_counter() - start
 
         start = time.perf_counter()

@@ -4,6 +4,9 @@ A ``RolloutWorker`` is a Ray actor holding one ``LLMEngine``. Trainers send it c
 get back token ids with the log-prob of every sampled token (stop token included), and
 push new weights into it in place (``update_weights``) after each policy update: on CPU
 through the object store (one ``ray.put`` of the state dict, read by every actor).
+
+Where the RL loop runs without Ray (``mlplat.train.worker.LocalGroup``), an ``InProcessRollout`` puts a
+``RolloutWorker`` in each rank's own process instead; ``generate`` and ``sync_weights`` take either.
 """
 
 from __future__ import annotations
@@ -74,6 +77,32 @@ class RolloutWorker:
         return self.engine.score(token_ids)
 
 
+class InProcessRollout:
+    """A ``RolloutWorker`` made on first use in the process that uses it: each rank of a run without Ray
+    gets an engine of its own (it pickles as its settings), samples from it, and loads into it the
+    weights it just trained itself."""
+
+    def __init__(self, model_dir: str, cfg: RolloutConfig | None = None):
+        self.model_dir, self.cfg = model_dir, cfg or RolloutConfig()
+        self._worker: RolloutWorker | None = None
+
+    def __getstate__(self) -> dict:
+        return {"model_dir": self.model_dir, "cfg": self.cfg, "_worker": None}
+
+    @property
+    def worker(self) -> RolloutWorker:
+        if self._worker is None:
+            self._worker = RolloutWorker(self.model_dir, self.cfg.model_dump())
+        return self._worker
+
+
+def generate(rollout_worker, conversations: list[list[dict]], params: dict) -> list[Sample]:
+    """``RolloutWorker.generate`` on a rollout actor (through Ray) or an ``InProcessRollout``."""
+    if isinstance(rollout_worker, InProcessRollout):
+        return rollout_worker.worker.generate(conversations, params)
+    return ray.get(rollout_worker.generate.remote(conversations, params))
+
+
 def start_rollout_workers(model_dir: str, cfg: RolloutConfig) -> list:
     actor = ray.remote(RolloutWorker).options(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus)
     workers = [actor.remote(model_dir, cfg.model_dump()) for _ in range(cfg.num_actors)]
@@ -88,12 +117,17 @@ def sync_weights(policy, rollout_workers: list, rank: int, device: torch.device)
     Each layer is gathered from the shards (every rank takes part under FSDP2), put in the object
     store by rank 0 and loaded by every actor before the next: no full state dict on any rank, no
     full copy in the object store (a 7B model's 15 GB in bf16). A collective broadcast replaces the
-    object store where the actors hold GPUs in the trainers' group."""
+    object store where the actors hold GPUs in the trainers' group. In-process rollouts (one per rank)
+    each load the layers on their own rank."""
     from mlplat.train import collectives
     from mlplat.train.parallel import full_weights_by_layer
 
-    for layer in full_weights_by_layer(policy):
-        if rank == 0 and layer:
+    in_process = all(isinstance(worker, InProcessRollout) for worker in rollout_workers)
+    for layer in full_weights_by_layer(policy, every_rank=in_process):
+        if in_process:
+            for worker in rollout_workers:
+                worker.worker.update_weights(layer)
+        elif rank == 0 and layer:
             ref = ray.put(layer)
             ray.get([worker.update_weights.remote(ref) for worker in rollout_workers])
             del ref
@@ -101,8 +135,8 @@ def sync_weights(policy, rollout_workers: list, rank: int, device: torch.device)
 
 
 def held_out_exact_match(rollout_worker, rows: list[dict], max_tokens: int) -> float:
-    """Greedy exact match through a rollout actor (its weights are the policy's after each sync)."""
+    """Greedy exact match through a rollout worker (its weights are the policy's after each sync)."""
     from mlplat.evaluation import extract_answer
 
-    samples = ray.get(rollout_worker.generate.remote([r["messages"] for r in rows], {"n": 1, "max_tokens": max_tokens, "temperature": 0}))
+    samples = generate(rollout_worker, [r["messages"] for r in rows], {"n": 1, "max_tokens": max_tokens, "temperature": 0})
     return sum(extract_answer(s.text) == str(r["answer"]) for s, r in zip(samples, rows)) / len(rows)

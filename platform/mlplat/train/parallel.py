@@ -176,12 +176,13 @@ def _single_process_is_intended():
         yield
 
 
-def full_weights_by_layer(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+def full_weights_by_layer(model: torch.nn.Module, every_rank: bool = False) -> Iterator[dict[str, torch.Tensor]]:
     """The whole model as plain CPU tensors under HF names, one decoder layer at a time, then the rest.
 
     For streaming weights to inference engines without a full copy anywhere: rank 0 gets each
     layer's tensors (LoRA adapters merged into their base weights), other ranks an empty dict per
-    layer. Collective under FSDP2 (one all-gather per tensor): every rank iterates it to the end.
+    layer unless ``every_rank``. Collective under FSDP2 (one all-gather per tensor): every rank
+    iterates it to the end.
     """
     from mlplat.train.lora import is_lora, lora_scaling, merge_lora_state_dict
 
@@ -196,7 +197,7 @@ def full_weights_by_layer(model: torch.nn.Module) -> Iterator[dict[str, torch.Te
         bucket = {}
         for key in groups[prefix]:
             tensor = state[key].full_tensor() if isinstance(state[key], DTensor) else state[key]
-            if rank == 0:
+            if rank == 0 or every_rank:
                 bucket[key] = tensor.detach().to("cpu", copy=True)
         yield merge_lora_state_dict(bucket, scaling) if scaling is not None and bucket else bucket
 
