@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # resolves to a local CPU wheel). GPU machines: make quickstart TORCH=torch
 TORCH ?= torch==2.13.0
 
-.PHONY: quickstart test test-fast install install-dev prometheus clean
+.PHONY: quickstart test test-fast install install-dev kernels prometheus redis clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,12 +28,18 @@ install-dev: $(VENV)/.installed-dev
 quickstart: install
 	$(BIN)/mlplat quickstart
 
-test: install-dev prometheus
+test: install-dev kernels prometheus redis
 	$(BIN)/python -m pytest -q -ra --durations=25
 
 # The unit tests alone: no Ray cluster, no end-to-end runs (under 2 minutes on 2 cores).
 test-fast: install-dev
 	$(BIN)/python -m pytest -q -ra -m "not cluster and not slow"
+
+# The engine's C++ CPU kernels (mlplat.engine.cpu_kernels), built once per source and CPU under
+# ~/.cache/torch_extensions (~20 s on 2 cores): a build step before the tests rather than inside the
+# first test that starts an engine. Never fails the build: the engine falls back to plain PyTorch.
+kernels: install
+	@$(BIN)/python -c "from mlplat.engine import cpu_kernels; cpu_kernels.load() or print('make: the CPU kernels could not be built; the engine falls back to plain PyTorch')"
 
 # Debian's prometheus for tests/test_observability_prometheus.py, and its promtool for tests/test_alerts.py
 # (one package; root, as in CI). Never fails the build: without apt (or root) those tests skip and say
@@ -45,6 +51,16 @@ prometheus:
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 \
 	      || echo "make: could not install prometheus with apt; its tests (and promtool's) will skip"; \
 	  else echo "make: no apt-get as root here; prometheus not installed, its tests (and promtool's) will skip"; fi; }
+
+# Debian's redis-server for tests/test_gcs_fault_tolerance.py (a Ray head whose GCS keeps its tables in Redis).
+# Never fails the build, like prometheus: without it that test skips and says why, except under CI=true.
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-cache policy redis-server 2>/dev/null | grep -q 'Candidate: [0-9]' || apt-get update -qq >/dev/null 2>&1; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null 2>&1 \
+	      || echo "make: could not install redis-server with apt; the GCS fault-tolerance test will skip"; \
+	  else echo "make: no apt-get as root here; redis-server not installed, the GCS fault-tolerance test will skip"; fi; }
 
 clean:
 	rm -rf $(VENV) quickstart outputs mlflow.db mlartifacts

@@ -151,12 +151,12 @@ def _worker(rank: int, recipe: str, args: dict, store: str, out_dir: str) -> Non
 
     import torch.distributed as dist
 
+    from mlplat import collectives
     from mlplat.data.ingest import DataConfig
     from mlplat.engine import EngineConfig, LLMEngine, SamplingParams
     from mlplat.models import load_model, load_tokenizer
     from mlplat.rl.experience import micro_batches, rollout_batch, score_completions
     from mlplat.rl.rollout import Sample
-    from mlplat.train import collectives
     from mlplat.train.logprobs import install_logprob_head
     from mlplat.train.loop import RecipeConfig, frozen_reference, trainable
     from mlplat.train.memory import VocabTensorWatch

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -116,6 +117,17 @@ def sft_model(tmp_path_factory, tiny_model, one_digit):
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports nothing listens on now (held open together, so no two are the same)."""
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
 
 
 def sampled_reward(model_dir, rows: list[dict], samples_per_prompt: int = 32) -> float:

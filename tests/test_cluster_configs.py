@@ -65,6 +65,13 @@ def kuberay_case(*args):
         kuberay_case("kuberay/raycluster.yaml", lambda d: d["metadata"].update(name="Bad_Name"), "metadata.name"),
         kuberay_case("kuberay/rayservice-llm.yaml",
                      lambda d: d["spec"].update(serveConfigV2=d["spec"]["serveConfigV2"].replace("mode: pd", "mode: pdd")), "args: mode"),
+        kuberay_case("kuberay/raycluster.yaml", lambda d: d["spec"]["gcsFaultToleranceOptions"].update(backend="etcd"),
+                     "spec.gcsFaultToleranceOptions.backend"),
+        kuberay_case("kuberay/rayservice-llm.yaml",
+                     lambda d: spec_of(d)["gcsFaultToleranceOptions"]["redisPassword"]["valueFrom"]["secretKeyRef"].pop("key"),
+                     "'key' is a required"),
+        kuberay_case("kuberay/raycluster.yaml", lambda d: d["spec"]["gcsFaultToleranceOptions"].update(redisPasword={"value": "x"}),
+                     "'redisPasword' was unexpected"),
         ("launcher/aws.yaml", lambda d: d.update(head_node_type="cpu-head"), "head_node_type"),
         ("launcher/aws.yaml", lambda d: d.update(max_worker=4), "'max_worker' was unexpected"),
     ],
@@ -135,7 +142,11 @@ def test_render_follows_the_config(tmp_path):
 @pytest.mark.parametrize(
     "edit, field",
     [("gpu_workers: {nods: 3}", "gpu_workers.nods: unknown field"), ("tenant: Team_A", "tenant:"),
-     ("gpu_workers: {nodes: 4, max_nodes: 2}", "gpu_workers:"), ("gpu_type: V100", "gpu_type:")],
+     ("gpu_workers: {nodes: 4, max_nodes: 2}", "gpu_workers:"), ("gpu_type: V100", "gpu_type:"),
+     ("gcs_fault_tolerance: {redis_address: redis}", "gcs_fault_tolerance.redis_address:"),
+     ("gcs_fault_tolerance: {password_secret: mlplat-redis}", "gcs_fault_tolerance.redis_address: Field required"),
+     ("mlflow_tracking_uri: sqlite:///mlflow.db", "mlflow_tracking_uri:"),
+     ("shared_pvc: null", "set shared_pvc")],
 )
 def test_bad_cluster_config_is_a_one_line_error(tmp_path, capsys, edit, field):
     config = tmp_path / "cluster.yaml"
@@ -155,3 +166,92 @@ def test_validate_cli(capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_:
         main(["cluster", "validate", str(tmp_path)])
     assert exit_.value.code == 2 and "neither a KubeRay manifest" in capsys.readouterr().err
+
+
+def spec_of(doc: dict) -> dict:
+    return {"RayCluster": lambda s: s, "RayJob": lambda s: s["rayClusterSpec"], "RayService": lambda s: s["rayClusterConfig"]}[doc["kind"]](
+        doc["spec"])
+
+
+def test_head_can_fail_and_every_node_tracks_to_one_server():
+    cfg = example()
+    server_uri = f"http://{cfg.name}-head-svc.{cfg.k8s_namespace}.svc:{cfg.mlflow_server.port}"
+    for name in ("kuberay/raycluster.yaml", "kuberay/rayjob-sft.yaml", "kuberay/rayservice-llm.yaml"):
+        doc = load(name)
+        spec = spec_of(doc)
+        ft = spec.get("gcsFaultToleranceOptions")
+        if doc["kind"] == "RayJob":  # its cluster lives as long as the job: nothing to keep across a head restart
+            assert ft is None, name
+        else:  # GCS tables in Redis, the password from a Secret (by reference only)
+            assert ft == {"redisAddress": cfg.gcs_fault_tolerance.redis_address,
+                          "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "mlplat-redis", "key": "password"}}}}, name
+        pods = [spec["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in spec["workerGroupSpecs"]]
+        for pod in pods:  # every node, head and workers, tracks to the same server
+            env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+            assert env["MLFLOW_TRACKING_URI"] == server_uri, name
+    head = load("kuberay/raycluster.yaml")["spec"]["headGroupSpec"]["template"]["spec"]
+    ray_head, mlflow = head["containers"]
+    assert ray_head["name"] == "ray-head" and {"containerPort": 5000, "name": "mlflow"} in ray_head["ports"]  # the head Service's port
+    command = mlflow["command"][-1]
+    assert "mlflow server --host 0.0.0.0 --port 5000 --workers 2 --backend-store-uri sqlite:////mnt/shared/mlflow/mlflow.db" in command
+    assert f"--allowed-hosts {cfg.name}-head-svc.{cfg.k8s_namespace}.svc:5000," in command  # MLflow checks the Host header
+    assert {"name": "shared", "mountPath": "/mnt/shared"} in mlflow["volumeMounts"]  # the store outlives the pod
+    for name in ("launcher/aws.yaml", "launcher/local.yaml"):
+        doc = load(name)
+        text = (CONFIGS / name).read_text()
+        assert ".svc" not in text, name  # nothing a VM cannot resolve
+        head_start, worker_start = doc["head_start_ray_commands"], doc["worker_start_ray_commands"][-1]
+        assert any(c.startswith("nohup sh -c 'mkdir -p /mnt/shared/mlflow") and "exec mlflow server" in c for c in head_start), name
+        ray_start = head_start[-1]
+        assert f"RAY_REDIS_ADDRESS={cfg.gcs_fault_tolerance.launcher_redis_address}" in ray_start, name
+        assert '--redis-password="$(cat ~/.ray/redis_password)"' in ray_start and "~/.ray/redis_password" in doc["file_mounts"], name
+        assert "MLFLOW_TRACKING_URI=http://$(hostname -I | cut -d' ' -f1):5000" in ray_start, name
+        assert "MLFLOW_TRACKING_URI=http://$RAY_HEAD_IP:5000" in worker_start, name
+        assert "RAY_gcs_rpc_server_reconnect_timeout_s=600" in worker_start, name  # workers outwait a head restart
+
+
+def test_given_tracking_server_and_no_gcs_ft(tmp_path):
+    overrides = ["mlflow_tracking_uri=https://mlflow.example.com", "gcs_fault_tolerance=null"]
+    cfg = load_config(ClusterConfig, CONFIGS / "cluster.yaml", overrides)
+    render(cfg, tmp_path)
+    cluster = yaml.safe_load((tmp_path / "kuberay/raycluster.yaml").read_text())
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]
+    assert "gcsFaultToleranceOptions" not in cluster["spec"] and [c["name"] for c in head["containers"]] == ["ray-head"]
+    assert {"name": "MLFLOW_TRACKING_URI", "value": "https://mlflow.example.com"} in [
+        {k: e[k] for k in ("name", "value") if k in e} for e in head["containers"][0]["env"]]
+    aws = yaml.safe_load((tmp_path / "launcher/aws.yaml").read_text())
+    assert aws["head_start_ray_commands"][1].startswith("RAY_AUTH_MODE=token MLFLOW_TRACKING_URI=https://mlflow.example.com ray start")
+    assert "REDIS" not in (tmp_path / "launcher/aws.yaml").read_text() and "redis_password" not in aws["file_mounts"]
+    # A Kubernetes Service name never reaches the launcher's VMs: they run the head's server instead.
+    overrides = ["mlflow_tracking_uri=http://mlflow.mlflow.svc:5000", "gcs_fault_tolerance.launcher_redis_address=null"]
+    render(load_config(ClusterConfig, CONFIGS / "cluster.yaml", overrides), tmp_path)
+    aws = yaml.safe_load((tmp_path / "launcher/aws.yaml").read_text())
+    assert "MLFLOW_TRACKING_URI=http://$RAY_HEAD_IP:5000" in aws["worker_start_ray_commands"][-1]
+    assert ".svc" not in (tmp_path / "launcher/aws.yaml").read_text() + (tmp_path / "launcher/local.yaml").read_text()
+    assert "http://mlflow.mlflow.svc:5000" in (tmp_path / "kuberay/rayjob-sft.yaml").read_text()
+    assert "RAY_REDIS_ADDRESS" not in (tmp_path / "launcher/aws.yaml").read_text()  # redis.redis.svc: no launcher GCS FT
+    assert "redisAddress: \"redis.redis.svc:6379\"" in (tmp_path / "kuberay/raycluster.yaml").read_text()
+
+
+
+def test_the_heads_tracking_server_command_parses_and_admits_the_pods():
+    """The RayCluster's mlflow container command, as MLflow's own CLI parses it (no server started: ~40 s on 2 cores),
+    and MLflow's own Host-header check admits the URI every pod tracks to (the head Service's name) and nothing else."""
+    import shlex
+
+    from mlflow.cli import server
+    from mlflow.server.security_utils import is_allowed_host_header
+
+    head = load("kuberay/raycluster.yaml")["spec"]["headGroupSpec"]["template"]["spec"]
+    sh, dash_c, script = head["containers"][1]["command"]
+    setup, _, run = script.partition(" && exec ")
+    assert (sh, dash_c) == ("sh", "-c") and setup.startswith("mkdir -p ")
+    argv = shlex.split(run)
+    assert argv[:2] == ["mlflow", "server"]
+    params = server.make_context("server", argv[2:]).params  # unknown or malformed flags raise here
+    assert params["backend_store_uri"] == "sqlite:////mnt/shared/mlflow/mlflow.db" and params["port"] == 5000
+    allowed = params["allowed_hosts"].split(",")
+    uri = next(e["value"] for e in head["containers"][0]["env"] if e["name"] == "MLFLOW_TRACKING_URI")
+    for host in (uri.removeprefix("http://"), "localhost:5000", "127.0.0.1:5000"):  # the pods; a port-forward
+        assert is_allowed_host_header(allowed, host), host
+    assert not is_allowed_host_header(allowed, "attacker.example.com")

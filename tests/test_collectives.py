@@ -1,4 +1,4 @@
-"""Collectives go through mlplat.train.collectives: on the training device, counted, never skipped
+"""Collectives go through mlplat.collectives: on the training device, counted, never skipped
 while a process group exists. Ranks are real gloo process groups (world size 1 and 2); the rule
 that recipes never call torch.distributed themselves is an AST scan of the tree."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mlplat.train import collectives
+from mlplat import collectives
 from mlplat.train.loop import MetricWindow
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,13 +93,13 @@ def test_the_scan_catches_a_collective_however_it_is_imported(source):
 
 
 def test_the_scan_ignores_collectives_of_other_modules():
-    assert not distributed_uses("from mlplat.train import collectives\ncollectives.all_reduce(t, device)\nimport torch.distributed.checkpoint as dcp")
+    assert not distributed_uses("from mlplat import collectives\ncollectives.all_reduce(t, device)\nimport torch.distributed.checkpoint as dcp")
 
 
 def test_recipes_never_touch_torch_distributed_and_platform_code_calls_collectives_only_through_the_helper():
     recipes = {str(p.relative_to(ROOT)): distributed_uses(p.read_text()) for p in sorted((ROOT / "train_apps").glob("*.py"))}
     assert not any(recipes.values()), {k: v for k, v in recipes.items() if v}
-    helper = ROOT / "platform/mlplat/train/collectives.py"
+    helper = ROOT / "platform/mlplat/collectives.py"
     scanned = [*(ROOT / "platform/mlplat/train").glob("*.py"), *(ROOT / "platform/mlplat/rl").glob("*.py")]  # train/health.py included
     calls = {str(p.relative_to(ROOT)): _collective_calls(p.read_text()) for p in scanned if p != helper}
     assert not any(calls.values()), {k: v for k, v in calls.items() if v}

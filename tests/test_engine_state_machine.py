@@ -51,7 +51,10 @@ params = st.builds(
     stop_token_ids=st.lists(st.integers(3, 200), max_size=3),
     ignore_eos=st.booleans(),
     logprobs=st.booleans(),
+    prompt_logprobs=st.sampled_from([None, None, 0, 2]),  # computed during the (chunked, maybe preempted) prefill
 )
+# top_logprobs needs logprobs: 0 to 3 alternatives where it is on
+params = st.tuples(params, st.integers(0, 3)).map(lambda p: p[0].model_copy(update={"top_logprobs": p[1] if p[0].logprobs else 0}))
 
 
 def test_engine_state_machine(checkpoint):
@@ -121,6 +124,14 @@ def test_engine_state_machine(checkpoint):
                 for o in out.outputs:
                     assert o.finish_reason in ("stop", "length") and len(o.sampled_token_ids) <= params.max_tokens
                     assert (o.logprobs is not None) == params.logprobs
+                    assert (o.top_logprobs is not None) == (params.top_logprobs > 0)
+                    if o.top_logprobs is not None:
+                        assert len(o.top_logprobs) == len(o.token_ids) and all(len(a) == params.top_logprobs for a in o.top_logprobs)
+                if params.prompt_logprobs is None:
+                    assert out.prompt_logprobs is None
+                else:  # every prompt position once, whatever chunking, preemption or a handoff did
+                    assert len(out.prompt_logprobs) == len(out.prompt_token_ids) and out.prompt_logprobs[0] == (None, None)
+                    assert all(lp <= 0 and len(alt or []) == params.prompt_logprobs for lp, alt in out.prompt_logprobs[1:])
 
         @invariant()
         def blocks_are_accounted_for(self):

@@ -12,7 +12,7 @@ import pytest
 import ray
 
 from mlplat.health import exporter
-from mlplat.health.report import CollectiveReport, HealthReport, NodeReport
+from mlplat.health.report import CollectiveReport, HealthReport, LinkReport, NodeReport
 from mlplat.observability import catalogue as c
 from mlplat.observability.prometheus import metrics_targets
 
@@ -22,7 +22,9 @@ def report(passed: bool = True) -> HealthReport:
              NodeReport(node_id="exporter-test-node-b", metrics={"cpu_matmul_gflops": 40.0},
                         failures=[] if passed else ["slow"])]  # fmt: skip
     return HealthReport(profile="cpu-test", started_at="20261205-120000", duration_s=3.0, nodes=nodes,
-                        collective=CollectiveReport(backend="gloo", ranks=2, size_mb=1, busbw_gbps=1.5))  # fmt: skip
+                        collective=CollectiveReport(backend="gloo", ranks=2, size_mb=1, busbw_gbps=1.5),
+                        links=[LinkReport(nodes=("exporter-test-node-a", "exporter-test-node-b"), backend="gloo", ranks=2, size_mb=1,
+                                          seconds=0.1, busbw_gbps=0.25, failures=[] if passed else ["slow"])])  # fmt: skip
 
 
 def scraped(name: str, timeout_s: float = 45.0) -> dict[str, float]:
@@ -56,6 +58,10 @@ def test_exporter_holds_the_last_report_and_survives_a_restart(ray_cluster):
     figures = {m.group(1): v for labels, v in scraped(c.HEALTH_MEASUREMENT.exported).items()
                if 'measurement="cpu_matmul_gflops"' in labels and (m := re.search(r'node="(exporter-test-node-[ab])"', labels))}
     assert figures == {"exporter-test-node-a": 120.0, "exporter-test-node-b": 40.0}
+    pair = ('node="exporter-test-node-a"', 'peer="exporter-test-node-b"')
+    assert [v for labels, v in scraped(c.HEALTH_PAIR_BUSBW.exported).items() if all(p in labels for p in pair)] == [0.25]
+    pair_passed = [v for labels, v in scraped(c.HEALTH_PAIR_PASSED.exported).items() if all(p in labels for p in pair)]
+    assert pair_passed == [0.0]  # the report named the link between them
     quarantined = scraped(c.HEALTH_NODE_QUARANTINED.exported)
     assert {v for labels, v in quarantined.items() if "exporter-test-node" in labels} == {0.0}  # known to the check, not quarantined
 

@@ -27,7 +27,7 @@ from mlflow import MlflowClient
 from ray import serve
 
 from mlplat.health import exporter
-from mlplat.health.report import CollectiveReport, HealthReport, NodeReport
+from mlplat.health.report import CollectiveReport, HealthReport, LinkReport, NodeReport
 from mlplat.observability import alerts
 from mlplat.observability import catalogue as c
 from mlplat.observability.dashboards import HEALTH, RL, SERVING, TRAINING
@@ -84,7 +84,9 @@ def _health_report() -> HealthReport:
     node = next(n for n in ray.nodes() if n["Alive"])
     return HealthReport(profile="cpu-test", started_at=time.strftime("%Y%m%d-%H%M%S"), duration_s=1.0,
                         nodes=[NodeReport(node_id=node["NodeID"], ip=node["NodeManagerAddress"], metrics={"cpu_matmul_gflops": 100.0})],
-                        collective=CollectiveReport(backend="gloo", ranks=2, size_mb=1, busbw_gbps=1.0))  # fmt: skip
+                        collective=CollectiveReport(backend="gloo", ranks=2, size_mb=1, busbw_gbps=1.0),
+                        links=[LinkReport(nodes=(node["NodeID"], "peer-node"), backend="gloo", ranks=2, size_mb=1, seconds=0.1,
+                                          busbw_gbps=0.01)])  # fmt: skip
 
 
 def _post(url: str, **kwargs) -> httpx.Response:

@@ -7,7 +7,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,10 +15,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import MLPLAT
+from conftest import MLPLAT, free_ports
 from mlflow.tracking import MlflowClient
 
 from mlplat.cli import main as cli_main
+from mlplat.pipeline.jobs import Jobs
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -71,16 +71,6 @@ def sleeper(seconds: float = 600):
 TENANTS = "tenants:\n  research: {cpus: 4}\n  small: {cpus: 2, gpus: 0}\n"
 
 
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def _wait_for_dashboard(url: str, token: str, head: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + 300  # a loaded 2-core machine can take minutes
     request = urllib.request.Request(f"{url}/api/version", headers={"Authorization": f"Bearer {token}"})
@@ -103,7 +93,7 @@ def ray_head():
     temp_dir = Path(tempfile.mkdtemp(prefix="mlplat-head-", dir="/tmp"))  # short: Ray's socket paths have a length limit
     token_file = temp_dir / "token"
     token_file.write_text(secrets.token_hex(16))
-    gcs, dashboard, agent_http, agent_grpc, client, metrics, env_agent, node_manager, object_manager = _free_ports(9)
+    gcs, dashboard, agent_http, agent_grpc, client, metrics, env_agent, node_manager, object_manager = free_ports(9)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MLFLOW_"))}
     env |= {"PATH": f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file)}
     log = temp_dir / "head.log"
@@ -236,3 +226,43 @@ def test_token_is_required_and_checked_but_never_printed(ray_head, project, tmp_
     code, out, err = mlplat_in_process([*listing, "--auth-token-file", str(wrong)], monkeypatch, capsys)
     assert code == 2 and "rejected the token from --auth-token-file" in err
     assert "not-the-token" not in out + err
+
+
+def python_for_jobs(folder: Path, *flags: str, site_packages: bool = False) -> str:
+    """A folder with a `python` that stands for another cluster's Python: this interpreter without site
+    initialisation (-S: mlplat's editable install is not found), with or without this venv's packages."""
+    import site
+
+    folder.mkdir(parents=True)
+    extra = f'export PYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}{":".join(site.getsitepackages())}"\n' if site_packages else ""
+    (folder / "python").write_text(f"#!/bin/sh\n{extra}exec {sys.executable} {' '.join(flags)} \"$@\"\n")
+    (folder / "python").chmod(0o755)
+    return f"PATH={folder}{os.pathsep}{VENV_BIN}{os.pathsep}/usr/bin{os.pathsep}/bin"
+
+
+@pytest.mark.slow
+def test_submit_checks_the_clusters_python_before_the_job(ray_head, project, tracking_uri, tmp_path):
+    """The job's PATH leads to a Python that cannot import mlplat: refused in one line without mlplat's dependencies,
+    shipped this machine's mlplat (runtime_env py_modules) with them, which that Python then imports."""
+    common = ["submit", "jobs_pipeline.py", "--pipeline", "sleeper", "--param", "seconds=0", "--address", ray_head["address"],
+              "--auth-token-file", str(ray_head["token_file"])]
+    bare = mlplat([*common, "--env", python_for_jobs(tmp_path / "bare", "-I", "-S")], cwd=project, tracking_uri=tracking_uri)
+    assert bare.returncode == 2 and "submitted" not in bare.stdout, bare.stdout + bare.stderr
+    errors = [line for line in bare.stderr.splitlines() if "error" in line.lower()]  # besides Ray's INFO lines on the upload
+    assert len(errors) == 1 and re.match(r"mlplat: error: \S+: the cluster's Python [0-9.]+ lacks .*mlflow", errors[0]), bare.stderr
+    assert "cluster_configs/Dockerfile" in errors[0]
+
+    nosite = python_for_jobs(tmp_path / "nosite", "-S", site_packages=True)
+    shipped = mlplat([*common, "--env", nosite], cwd=project, tracking_uri=tracking_uri)
+    assert shipped.returncode == 0, shipped.stdout[-3000:] + shipped.stderr[-3000:]
+    assert "note: the cluster's Python cannot import mlplat: shipping this machine's mlplat 0.1.0 with the job" in shipped.stdout
+    job_id = re.search(r"submitted job (sleeper-\S+)", shipped.stdout).group(1)
+    # The job carries the package; its Python imports it from there (the probe again, in the job's own runtime_env:
+    # cheaper than following the whole pipeline run, which tests above do).
+    jobs = Jobs(ray_head["address"], str(ray_head["token_file"]))
+    try:
+        runtime_env = jobs.info(job_id).runtime_env
+        assert len(runtime_env["py_modules"]) == 1 and runtime_env["env_vars"]["PATH"] == nosite.removeprefix("PATH=")
+        assert jobs.probe({k: runtime_env[k] for k in ("working_dir", "py_modules", "env_vars")}).mlplat == "0.1.0"
+    finally:
+        jobs.stop(job_id)

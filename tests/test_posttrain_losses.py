@@ -160,8 +160,8 @@ def test_batch_moments_over_ranks_are_the_whole_batchs(tmp_path, local_group):
 def _moments_on_two_ranks(cfg, env):
     import json
 
+    from mlplat import collectives
     from mlplat.rl.experience import batch_moments
-    from mlplat.train import collectives
 
     rank = collectives.rank()
     mean, std = batch_moments(env.device)(torch.tensor(REWARDS[:8] if rank == 0 else REWARDS[8:] + [0.0] * 4))

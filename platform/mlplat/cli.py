@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from mlplat.pipeline.cli import add_commands as add_pipeline_commands
 
-    add_pipeline_commands(sub)  # run, submit, jobs
+    add_pipeline_commands(sub)  # run, submit, jobs, cache
 
     from mlplat.cluster.cli import add_commands as add_cluster_commands
 
@@ -129,7 +129,7 @@ def _run(args: argparse.Namespace) -> None:
 
         result = evaluate_exact_match(resolve_model(args.model), args.data, limit=args.limit)
         print(result.model_dump_json(indent=2))
-    elif args.command in ("run", "submit", "jobs"):
+    elif args.command in ("run", "submit", "jobs", "cache"):
         from mlplat.pipeline.cli import run_command
 
         run_command(args)

@@ -78,6 +78,36 @@ class LLMService(Config):
     default_rate_limit: RateLimit | None = RateLimit(requests_per_s=20, burst=40)
 
 
+# A server every node reaches; a file or sqlite store lives on one node only (the driver's), so the
+# steps of a multi-node job would track into stores nobody reads.
+ServerURI = Annotated[str, StringConstraints(pattern=r"^(https?://[^/\s:]+(:[0-9]{1,5})?(/\S*)?|databricks(://\S*)?)$")]
+RedisAddress = Annotated[str, StringConstraints(pattern=r"^(rediss?://)?[A-Za-z0-9.-]+:[0-9]{1,5}$")]  # host:port
+
+
+class TrackingServer(Config):
+    """MLflow's tracking server on the head when ``mlflow_tracking_uri`` is not set: in the RayCluster's head pod
+    (a sidecar; the RayJob and RayService track to it) and on the launchers' head, its store on the shared volume."""
+
+    port: int = Field(5000, ge=1, le=65535)
+    # One writer (the server) keeps sqlite on a shared volume safe; point at PostgreSQL for heavy use.
+    backend_store_uri: str = "sqlite:////mnt/shared/mlflow/mlflow.db"
+    artifacts_destination: str = "/mnt/shared/mlflow/artifacts"  # served by the server: clients need no access to it
+    workers: int = Field(2, ge=1)  # server processes (mlflow server --workers)
+    cpus: int = Field(1, ge=1)
+    memory: Quantity = "2Gi"
+
+
+class GcsFaultTolerance(Config):
+    """The head's GCS keeps its tables in an external Redis, so a restarted head finds its jobs, actors and Serve apps."""
+
+    redis_address: RedisAddress  # host:port of a highly available Redis the KubeRay head reaches, e.g. redis.redis.svc:6379
+    password_secret: DNSLabel | None = "mlplat-redis"  # Secret with key `password` (KubeRay); null: Redis without a password
+    # The Redis `ray up` heads reach (e.g. ElastiCache); default: redis_address unless it is a Kubernetes Service name
+    # (the launcher configs then have no GCS fault tolerance).
+    launcher_redis_address: RedisAddress | None = None
+    launcher_password_file: str = "~/.ray/redis_password"  # copied to the launcher's head by file_mounts (when password_secret is set)
+
+
 class AWSLauncher(Config):
     region: str = "us-west-2"
     head_instance_type: str = "m6i.2xlarge"
@@ -99,10 +129,21 @@ class ClusterConfig(Config):
     rdma: RDMA = RDMA()
     shared_pvc: DNSLabel | None = "mlplat-shared"  # ReadWriteMany claim mounted at /mnt/shared (models, data, checkpoints)
     ray_token_secret: DNSLabel = "mlplat-ray-token"  # Secret with key auth_token (Ray token authentication)
-    mlflow_tracking_uri: str | None = None  # MLFLOW_TRACKING_URI in every pod
+    mlflow_tracking_uri: ServerURI | None = None  # an MLflow server every pod reaches; null: mlflow_server on the RayCluster's head
+    mlflow_server: TrackingServer = TrackingServer()
+    gcs_fault_tolerance: GcsFaultTolerance | None = None  # null: a head failure loses the cluster's state
     sft: SFTJob = SFTJob()
     llm: LLMService = LLMService()
     aws: AWSLauncher = AWSLauncher()
+
+    @model_validator(mode="after")
+    def _tracking_store(self) -> ClusterConfig:
+        server = self.mlflow_server
+        on_shared = "/mnt/shared/" in server.backend_store_uri + server.artifacts_destination
+        if self.mlflow_tracking_uri is None and self.shared_pvc is None and on_shared:
+            raise ValueError("mlflow_server keeps its store on /mnt/shared but shared_pvc is null: set shared_pvc, "
+                             "point mlflow_server.backend_store_uri/artifacts_destination elsewhere, or set mlflow_tracking_uri")
+        return self
 
     @property
     def k8s_namespace(self) -> str:
@@ -117,6 +158,11 @@ class ClusterConfig(Config):
         if self.gpu_node_selector is not None:
             return self.gpu_node_selector
         return {"nvidia.com/gpu.product": GPU_PRODUCTS[self.gpu_type][0]}
+
+    @property
+    def tracking_uri(self) -> str:
+        """What every pod of every manifest tracks to: the given server, else the RayCluster head's."""
+        return self.mlflow_tracking_uri or f"http://{self.name}-head-svc.{self.k8s_namespace}.svc:{self.mlflow_server.port}"
 
     @property
     def gpu_instance_type(self) -> str:

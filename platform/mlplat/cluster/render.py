@@ -55,7 +55,12 @@ def _values(cfg: ClusterConfig, name: str) -> dict:
     gpu = cfg.gpu_workers
     if name == "kuberay/raycluster.yaml":
         max_nodes = gpu.max_nodes if gpu.max_nodes is not None else gpu.nodes
-        return {"groups": [_group(f"gpu-{cfg.gpu_type.lower()}", gpu.nodes, max_nodes)], "autoscale": max_nodes > gpu.nodes}
+        svc = f"{cfg.name}-head-svc.{cfg.k8s_namespace}.svc"
+        port = cfg.mlflow_server.port
+        # MLflow refuses Host headers it does not know (DNS rebinding): the Service's names and a port-forward's.
+        hosts = [f"{svc}:{port}", f"{svc}.cluster.local:{port}", f"localhost:{port}", f"127.0.0.1:{port}"]
+        return {"groups": [_group(f"gpu-{cfg.gpu_type.lower()}", gpu.nodes, max_nodes)], "autoscale": max_nodes > gpu.nodes,
+                "mlflow_command": "" if cfg.mlflow_tracking_uri else mlflow_server_command(cfg, hosts)}
     if name == "kuberay/rayjob-sft.yaml":
         # Kueue admits a RayJob whole, so its cluster has a fixed size.
         return {"groups": [_group(f"gpu-{cfg.gpu_type.lower()}", gpu.nodes)], "autoscale": False,
@@ -64,9 +69,57 @@ def _values(cfg: ClusterConfig, name: str) -> dict:
         groups = [_group(role, nodes, resources={role: gpu.gpus_per_node}, why=f"{role} replicas land only here")
                   for role, nodes in (("prefill", cfg.llm.prefill_nodes), ("decode", cfg.llm.decode_nodes))]
         return {"groups": groups, "autoscale": False, "serve_config": serve_config(cfg)}
+    launcher = _launcher_values(cfg, cfg.name if name == "launcher/aws.yaml" else f"{cfg.name}-local")
     if name == "launcher/aws.yaml":
-        return {"max_gpu_nodes": gpu.max_nodes if gpu.max_nodes is not None else gpu.nodes, "docker_shm": _docker_size(gpu.shm)}
-    return {}
+        return {"max_gpu_nodes": gpu.max_nodes if gpu.max_nodes is not None else gpu.nodes, "docker_shm": _docker_size(gpu.shm), **launcher}
+    return launcher
+
+
+def mlflow_server_command(cfg: ClusterConfig, allowed_hosts: list[str] | None = None) -> str:
+    """A shell command that runs MLflow's tracking server on the head, its store created on first start."""
+    server = cfg.mlflow_server
+    dirs = [server.artifacts_destination]
+    if server.backend_store_uri.startswith("sqlite:///"):
+        dirs.append(str(Path(server.backend_store_uri.removeprefix("sqlite:///")).parent))
+    command = ["mlflow", "server", "--host", "0.0.0.0", "--port", str(server.port), "--workers", str(server.workers),
+               "--backend-store-uri", server.backend_store_uri, "--artifacts-destination", server.artifacts_destination]
+    if allowed_hosts:
+        command += ["--allowed-hosts", ",".join(allowed_hosts)]
+    return f"mkdir -p {shlex.join(sorted(set(dirs)))} && exec {shlex.join(command)}"
+
+
+def _k8s_internal(address: str) -> bool:
+    """A Kubernetes Service name (name.namespace.svc): it resolves inside that cluster only, never on the launcher's VMs."""
+    return re.search(r"\.svc(\.cluster\.local)?(:[0-9]+)?(/|$)", address) is not None
+
+
+# The head's own address as the other nodes reach it (the launcher gives workers $RAY_HEAD_IP, not the head).
+_HEAD_IP = "$(hostname -I | cut -d' ' -f1)"
+
+
+def _launcher_values(cfg: ClusterConfig, cluster_name: str) -> dict:
+    """Launcher start commands: GCS fault tolerance on the head, and one MLflow server every node reaches."""
+    head_env, worker_env = ["RAY_AUTH_MODE=token"], ["RAY_AUTH_MODE=token"]
+    head_flags, file_mounts, head_commands = [], {}, []
+    if cfg.mlflow_tracking_uri and not _k8s_internal(cfg.mlflow_tracking_uri):  # else the launcher's head runs its own server
+        head_env.append(f"MLFLOW_TRACKING_URI={cfg.mlflow_tracking_uri}")
+        worker_env.append(f"MLFLOW_TRACKING_URI={cfg.mlflow_tracking_uri}")
+    else:  # the head runs the server; a job's driver (head) and its steps (workers) all track to it
+        port = cfg.mlflow_server.port
+        head_commands.append(f"nohup sh -c {shlex.quote(mlflow_server_command(cfg))} > /tmp/mlflow-server.log 2>&1 &")
+        head_env.append(f"MLFLOW_TRACKING_URI=http://{_HEAD_IP}:{port}")
+        worker_env.append(f"MLFLOW_TRACKING_URI=http://$RAY_HEAD_IP:{port}")
+    ft = cfg.gcs_fault_tolerance
+    redis = ft and (ft.launcher_redis_address or (None if _k8s_internal(ft.redis_address) else ft.redis_address))
+    if ft and redis:
+        head_env += [f"RAY_REDIS_ADDRESS={redis}",
+                     f"RAY_external_storage_namespace={cluster_name}"]  # a restarted head finds its own cluster's tables
+        worker_env.append("RAY_gcs_rpc_server_reconnect_timeout_s=600")  # workers outwait a head restart (KubeRay's default)
+        if ft.password_secret:
+            file_mounts[ft.launcher_password_file] = ft.launcher_password_file
+            head_flags.append(f'--redis-password="$(cat {ft.launcher_password_file})"')
+    return {"head_env": " ".join(head_env), "worker_env": " ".join(worker_env), "head_flags": "".join(f" {f}" for f in head_flags),
+            "extra_file_mounts": file_mounts, "head_commands": head_commands}
 
 
 def _group(name: str, nodes: int, max_nodes: int | None = None, resources: dict | None = None, why: str = "") -> dict:

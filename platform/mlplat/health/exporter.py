@@ -4,7 +4,8 @@
 process that set it. So the check pushes its report to :class:`HealthExporter`, a named,
 detached actor on the head node (placed with the head's ``node:__internal_head__`` resource,
 no CPU), which sets the cluster-health gauges of the catalogue through Ray's metrics and keeps
-them exported: every node's measured figures and verdict, the all-reduce bandwidth, the
+them exported: every node's measured figures and verdict, each ring pair's all-reduce bandwidth and
+whether the check named its link, the cluster all-reduce bandwidth, the
 report's finish time (``mlplat_health_report_timestamp_seconds``: its age is ``time() - that``,
 and the ``MlplatHealthReportStale`` alert fires past 26 h), and which nodes are quarantined
 (read from the GCS every :data:`REFRESH_S` s, so a straggler's quarantine shows too).
@@ -81,6 +82,11 @@ class HealthExporter:
             for measurement, value in node.metrics.items():
                 oc.HEALTH_MEASUREMENT.set(value, node=node.node_id, measurement=measurement)
             oc.HEALTH_NODE_PASSED.set(float(node.passed), node=node.node_id)
+        for link in report.links:
+            pair = {"node": link.nodes[0], "peer": link.nodes[1]}
+            if link.busbw_gbps:
+                oc.HEALTH_PAIR_BUSBW.set(link.busbw_gbps, **pair)
+            oc.HEALTH_PAIR_PASSED.set(float(not (link.failures and not link.suspects)), **pair)
         if report.collective and report.collective.busbw_gbps:
             oc.HEALTH_ALLREDUCE_BUSBW.set(report.collective.busbw_gbps)
         oc.HEALTH_REPORT_TIMESTAMP.set(finished_at)

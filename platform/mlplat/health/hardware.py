@@ -23,11 +23,14 @@ NodeMetric = Literal[
     "gpu_memory_bandwidth_gbps",  # device tensor copy, read + written; the slowest GPU
     "host_to_device_gbps",  # pinned host memory -> GPU; the slowest GPU
     "device_to_host_gbps",  # GPU -> pinned host memory; the slowest GPU
+    "node_allreduce_busbw_gbps",  # all-reduce among the node's own GPUs (NVLink/NVSwitch); nodes with 2+ GPUs
 ]
-ClusterMetric = Literal["allreduce_busbw_gbps"]  # all-reduce bus bandwidth, as nccl-tests defines it
+# All-reduce bus bandwidth, as nccl-tests defines it: across all nodes, and across each pair of ring neighbours.
+ClusterMetric = Literal["allreduce_busbw_gbps", "pair_allreduce_busbw_gbps"]
 NODE_METRICS: tuple[str, ...] = get_args(NodeMetric)
 Metric = Literal[NodeMetric, ClusterMetric]
 
+NVML_OK = "ok"  # a node's ``nvml`` fact when NVML watched every GPU; anything else says what was missing
 HARDWARE_DIR = Path("cluster_configs") / "hardware"
 _REPO_ROOT = Path(__file__).resolve().parents[3]  # platform/mlplat/health/hardware.py -> the repository
 
@@ -56,7 +59,7 @@ class HardwareProfile(Config):
     tolerance: float = Field(default=0.3, ge=0, lt=1)  # a figure passes down to expected * (1 - tolerance)
     expected: dict[Metric, float] = Field(default_factory=dict)  # metrics left out are measured and reported, not judged
     tolerances: dict[Metric, float] = Field(default_factory=dict)  # per-metric override of ``tolerance``
-    gpus_per_node: int = Field(default=0, ge=0)  # a node that shows fewer GPUs fails
+    gpus_per_node: int = Field(default=0, ge=0)  # a node that shows fewer GPUs fails; > 0: a GPU profile, NVML required
     rdma: RdmaExpectation | None = None  # None: RDMA ports are reported where present, not required
     sizes: MeasurementSizes = MeasurementSizes()
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel
 
-from mlplat.health.hardware import MeasurementSizes
+from mlplat.health.hardware import NVML_OK, MeasurementSizes
 
 _MB = 2**20
 _CHUNK = 8 * _MB  # disk I/O unit: large enough for sequential throughput, small enough to hold twice in memory
@@ -153,27 +153,44 @@ def _host_device_gbps(device: torch.device, mb: int, trials: int, slowdown: floa
     }
 
 
+def nvml_status() -> str:
+    """``"ok"`` when NVML answers on this machine, else what is missing (the module, or the driver's library).
+
+    The verdict on it is made elsewhere (``mlplat.health.report.judge_nodes``): on a GPU profile a node
+    without NVML fails, since its ECC, row-remapping, clock-slowdown and XID checks cannot run.
+    """
+    try:
+        import pynvml
+    except ImportError:
+        return "nvidia-ml-py not installed (pip install 'mlplat[gpu]')"
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as err:
+        return f"NVML cannot start: {err} (is the NVIDIA driver's libnvidia-ml loadable here?)"
+    return NVML_OK
+
+
 class GpuHealth:
     """NVML view of one GPU: ECC, row remapping, retired pages, clock slowdowns, and XIDs while it is watched.
 
-    Needs ``nvidia-ml-py`` (``pip install 'mlplat[gpu]'``); without it, only the measurements judge the GPU.
+    Needs ``nvidia-ml-py`` (``pip install 'mlplat[gpu]'``). ``facts["nvml"]`` says whether NVML could watch
+    this GPU (``"ok"``) or what was missing; on a GPU profile anything but ``"ok"`` fails the node.
     Create it before the measurements so critical XIDs raised under load are caught.
     """
 
     def __init__(self, device: torch.device):
         self.facts: dict[str, object] = {}
         self._nvml = self._handle = self._events = None
-        try:
-            import pynvml
-        except ImportError:
-            self.facts["nvml"] = "nvidia-ml-py not installed: ECC/XID not checked (pip install 'mlplat[gpu]')"
+        self.facts["nvml"] = status = nvml_status()
+        if status != NVML_OK:
             return
+        import pynvml
+
         try:
-            pynvml.nvmlInit()
             # CUDA and NVML number GPUs differently; the UUID names the same one in both.
             self._handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{torch.cuda.get_device_properties(device).uuid}")
         except pynvml.NVMLError as err:
-            self.facts["nvml"] = f"unavailable: {err}"
+            self.facts["nvml"] = f"NVML does not know this GPU: {err}"
             return
         self._nvml = pynvml
         try:

@@ -249,6 +249,21 @@ HEALTH = Group("mlplat-cluster-health", (
         ),
     ),
     Alert(
+        name="MlplatLinkFailedAcceptance",
+        probe=f"min by (node, peer) ({c.HEALTH_PAIR_PASSED.exported})",
+        condition="== 0",
+        summary="The link between two nodes failed its acceptance check",
+        meaning="In the last `mlplat health check` the all-reduce between these two ring neighbours was below the profile's "
+                "floor or an outlier against the other pairs, while both nodes were fine with their other neighbour: the "
+                "cable, switch port or route between them (or one NIC on that path). No node is quarantined for it; a job "
+                "spanning both runs at the link's pace. Check the link, then run the check again.",
+        cases=(
+            Case({f'{c.HEALTH_PAIR_PASSED.exported}{{node="n0", peer="n1"}}': "0x5",
+                  f'{c.HEALTH_PAIR_PASSED.exported}{{node="n1", peer="n2"}}': "1x5"}, "2m", ({"node": "n0", "peer": "n1"},)),
+            Case({f'{c.HEALTH_PAIR_PASSED.exported}{{node="n0", peer="n1"}}': "1x5"}, "2m"),
+        ),
+    ),
+    Alert(
         name="MlplatNodeQuarantined",
         probe=f"max by (node) ({c.HEALTH_NODE_QUARANTINED.exported})",
         condition="== 1",

@@ -131,6 +131,16 @@ HEALTH_NODE_PASSED = Metric("mlplat_health_node_passed", "gauge", "1", "1 if the
 HEALTH_ALLREDUCE_BUSBW = Metric(
     "mlplat_health_allreduce_busbw_gbps", "gauge", "1", "all-reduce bus bandwidth across the checked nodes, GB/s", ()
 )
+# The ring of pairwise all-reduces: one series per pair of ring neighbours (node, peer), bounded by the cluster.
+HEALTH_PAIR = ("node", "peer")
+HEALTH_PAIR_BUSBW = Metric(
+    "mlplat_health_pair_busbw_gbps", "gauge", "1", "all-reduce bus bandwidth between two ring neighbours (pairwise test), GB/s", HEALTH_PAIR
+)
+HEALTH_PAIR_PASSED = Metric(
+    "mlplat_health_pair_passed", "gauge", "1",
+    "0 if the last acceptance check named the link between the two nodes slow (both nodes fine with their other neighbours), else 1",
+    HEALTH_PAIR,
+)  # fmt: skip
 
 HEALTH_NODE_QUARANTINED = Metric(
     "mlplat_health_node_quarantined", "gauge", "1",

@@ -249,6 +249,12 @@ HEALTH = Dashboard(
         Panel("Node passed acceptance (1 = yes)", (Q(c.HEALTH_NODE_PASSED, "max by (node) ({m}{sel})", "{{node}}"),)),
         Panel("Measured figures per node", (Q(c.HEALTH_MEASUREMENT, "max by (node, measurement) ({m}{sel})", "{{node}} {{measurement}}"),)),
         Panel("All-reduce bus bandwidth (GB/s)", (Q(c.HEALTH_ALLREDUCE_BUSBW, "max({m})", "busbw"),)),
+        Panel("Pairwise all-reduce bus bandwidth (GB/s)",
+              (Q(c.HEALTH_PAIR_BUSBW, "max by (node, peer) ({m}{sel})", "{{node}} <-> {{peer}}"),),
+              "Each pair of ring neighbours' own all-reduce: a node slow with both neighbours fails (its NIC), a pair slow "
+              "alone names the link."),
+        Panel("Pair passed (0 = the link was named slow)",
+              (Q(c.HEALTH_PAIR_PASSED, "min by (node, peer) ({m}{sel})", "{{node}} <-> {{peer}}"),)),
         Panel("Quarantined nodes (1 = quarantined)", (Q(c.HEALTH_NODE_QUARANTINED, "max by (node) ({m}{sel})", "{{node}}"),)),
         Panel("Age of the last health report", (Q(c.HEALTH_REPORT_TIMESTAMP, "time() - max({m})", "age"),),
               "Seconds since the last `mlplat health check` reported to the health exporter actor; "

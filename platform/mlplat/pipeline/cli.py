@@ -1,13 +1,14 @@
-"""``mlplat run``, ``mlplat submit`` and ``mlplat jobs``: the pipeline part of the ``mlplat`` command."""
+"""``mlplat run``, ``mlplat submit``, ``mlplat jobs`` and ``mlplat cache``: the pipeline part of the ``mlplat`` command."""
 
 from __future__ import annotations
 
 import argparse
+import os
 from datetime import datetime
 
 from mlplat.pipeline.command import add_run_args, run_pipeline
 
-COMMANDS = ("run", "submit", "jobs")
+COMMANDS = ("run", "submit", "jobs", "cache")
 
 
 def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
@@ -53,12 +54,30 @@ def add_commands(sub) -> None:
     p.add_argument("job_id")
     _add_cluster_args(p)
 
+    cache = sub.add_parser("cache", help="cached step results: list them, take them out of the cache")
+    cache = cache.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
+    p = cache.add_parser("ls", help="cache entries: step, key, created, size of outputs, modules the key covers")
+    _add_cache_args(p)
+    p = cache.add_parser("rm", help="take entries out of the cache (their runs and outputs stay in MLflow)")
+    p.add_argument("target", nargs="?", help="a step (STEP or PIPELINE.STEP), a key (or its first 6+ characters) or a run id")
+    p.add_argument("--all", action="store_true", help="every entry (of --experiment, if given)")
+    _add_cache_args(p)
+
+
+def _add_cache_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--experiment", help="only this MLflow experiment (a pipeline's: pipeline-NAME unless it names one)")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
+
 
 def run_command(args: argparse.Namespace) -> None:
     if args.command == "run":
         from mlplat.pipeline.definition import load_pipeline
 
         run_pipeline(load_pipeline(args.file, args.pipeline), args)
+        return
+
+    if args.command == "cache":
+        _cache_command(args)
         return
 
     from mlplat.pipeline.jobs import Jobs, submit_pipeline
@@ -95,3 +114,28 @@ def run_command(args: argparse.Namespace) -> None:
     elif args.jobs_command == "stop":
         stopped = jobs.stop(args.job_id)
         print(f"stopping job {args.job_id}" if stopped else f"job {args.job_id} was not running ({jobs.status(args.job_id).lower()})")
+
+
+def _cache_command(args: argparse.Namespace) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from mlplat.errors import MlplatError
+    from mlplat.pipeline import cache
+    from mlplat.tracking import default_tracking_uri
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one small file per entry
+    client = MlflowClient(args.tracking_uri or default_tracking_uri())
+    entries = cache.list_entries(client, args.experiment)
+    if args.cache_command == "ls":
+        print(f"{'STEP':<32} {'KEY':<12} {'CREATED':<19} {'SIZE':>10}  DEPENDENCIES")
+        for e in entries:
+            created = datetime.fromtimestamp(e.created).strftime("%Y-%m-%d %H:%M:%S")
+            print(f"{e.pipeline + '.' + e.step:<32} {e.key[:12]:<12} {created:<19} {cache.format_size(e.size):>10}  {e.summary()}")
+        return
+    if args.all == bool(args.target):
+        raise MlplatError("cache rm: name a step, a key or a run id, or pass --all (not both)")
+    chosen = entries if args.all else cache.select(entries, args.target)
+    if not chosen and not args.all:
+        raise MlplatError(f"cache rm: no cache entry matches {args.target!r} (see mlplat cache ls)")
+    cache.remove_entries(client, chosen)
+    print(f"removed {len(chosen)} cache entr{'y' if len(chosen) == 1 else 'ies'}")

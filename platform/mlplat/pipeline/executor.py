@@ -1,14 +1,24 @@
 """Run a pipeline's DAG on Ray: one task per step, one MLflow run per step, cached results reused.
 
     parent MLflow run (the pipeline: parameters, pipeline.json with every step's run and outputs)
-      child run per step (tags: cache key, code hash; params: its inputs as URIs or values)
+      child run per step (tags: cache keys, code hash; params: its inputs as URIs or values)
         runs the step started itself, nested with ``step_context().nest(run_id)``
 
-A step becomes a task when all it depends on has succeeded. Before that, its cache key (a
-hash of the step's code, its ``version`` and its resolved inputs) is looked up among the
-experiment's successful step runs; a hit reuses that run's outputs without running anything,
-which is also how a rerun after a failure resumes where the failed run stopped. Failed or
-timed-out attempts are retried after ``retry_backoff_s``, doubling; after the last one the
+A step becomes a task when all it depends on has succeeded. Before that, its cache key (its
+code, ``version``, resolved inputs, the contents behind path inputs, the modules it loaded
+last time: ``mlplat.pipeline.cache``) is looked up among the experiment's successful step
+runs; a hit reuses that run's outputs without running anything, which is also how a rerun
+after a failure resumes where the failed run stopped.
+
+A step's cache entry lists the project modules loaded in the worker process that ran it. Ray
+reuses a worker only for tasks with the same runtime_env, so each step gets one naming this
+pipeline run and its *worker chain* (``worker_chains``): a chain of steps each taking the
+previous one's outputs. A worker thus never carries code loaded in another pipeline run (before
+an edit), and a step's list holds, besides its own modules, only those of steps upstream of it
+in its chain: an edit there reruns that step first anyway (this one then misses even where the
+upstream step's new outputs equal the old: a spare rerun, never a stale hit).
+
+Failed or timed-out attempts are retried after ``retry_backoff_s``, doubling; after the last one the
 pipeline stops launching steps, lets those already running finish (a rerun reuses them), and
 raises a ``PipelineError`` naming the step and its error.
 """
@@ -32,7 +42,8 @@ from pydantic import BaseModel
 
 from mlplat.errors import MlplatError
 from mlplat.observability.console import status
-from mlplat.pipeline.artifacts import Dataset, from_json, map_values, to_json
+from mlplat.pipeline import cache
+from mlplat.pipeline.artifacts import ARTIFACT_KEY, Dataset, from_json, map_values, to_json
 from mlplat.pipeline.graph import Graph, Node, StepOutput
 from mlplat.pipeline.steps import StepContext, execute_step
 from mlplat.runtime import init_ray
@@ -40,7 +51,7 @@ from mlplat.tracking import RunLogger, default_tracking_uri
 from mlplat.tracking.runs import ensure_experiment
 
 OUTPUTS_FILE = "mlplat/outputs.json"
-CACHE_KEY_TAG = "mlplat.cache_key"
+CACHE_KEY_TAG = cache.KEY_TAG
 
 _step_task = ray.remote(execute_step)
 
@@ -68,15 +79,29 @@ class PipelineResult(BaseModel):
     dashboard_url: str | None = None  # set when the run started its own local Ray cluster
 
 
-def cache_key(node: Node, arguments: dict[str, Any]) -> str:
-    fn = node.step.fn
-    identity = {
-        "function": f"{fn.__module__.rpartition('.')[2]}.{fn.__qualname__}",  # the same file imported as a package or not
-        "code": node.step.code_hash,
-        "version": node.step.settings.version,
-        "inputs": to_json(arguments),
-    }
-    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
+def cache_key(node: Node, arguments: dict[str, Any], paths: dict[str, str] | None = None) -> str:
+    """The step's base cache key (``mlplat.pipeline.cache``): what is known before it runs."""
+    return _base_key(node, arguments, paths or {})[0]
+
+
+def _base_key(node: Node, arguments: dict[str, Any], paths: dict[str, str]) -> tuple[str, dict]:
+    step = node.step
+    return cache.base_key(cache.step_function_name(step.fn), step.code_hash, step.settings.version, arguments, paths)
+
+
+def worker_chains(graph: Graph) -> dict[str, int]:
+    """Steps grouped into chains that may share worker processes: each step follows a step whose
+    outputs it takes (and which no other step followed yet), else starts a chain."""
+    chain: dict[str, int] = {}
+    followed: set[str] = set()
+    for name in graph.order():
+        parent = next((p for p in sorted(graph.nodes[name].inputs()) if p not in followed), None)
+        if parent is None:
+            chain[name] = len(set(chain.values()))
+        else:
+            followed.add(parent)
+            chain[name] = chain[parent]
+    return chain
 
 
 @dataclass
@@ -121,10 +146,13 @@ class _PipelineRun:
         env = {"MLFLOW_TRACKING_URI": tracking_uri}
         if code_root:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (code_root, os.environ.get("PYTHONPATH")) if p)
-        self.runtime_env = {"env_vars": env}
+        chains = worker_chains(graph)
+        self.runtime_envs = {
+            name: {"env_vars": {**env, "MLPLAT_STEP_WORKER": f"{self.run_id}.{chains[name]}"}} for name in graph.nodes
+        }
         self.outputs: dict[str, Any] = {}
         self.records: dict[str, StepRecord] = {name: StepRecord(status="not run") for name in graph.nodes}
-        self.keys: dict[str, str] = {}
+        self.keys: dict[str, tuple[str, dict]] = {}  # step -> (base key, what it covers)
         self.lineage: dict[str, dict[str, str]] = {}
         self.started: dict[str, float] = {}
         self.failure: str | None = None
@@ -207,7 +235,13 @@ class _PipelineRun:
         node = self.graph.nodes[name]
         self.started[name] = time.monotonic()
         arguments = self._resolve(node.arguments())
-        key = self.keys[name] = cache_key(node, arguments)
+        cacheable = node.step.settings.cache
+        try:
+            paths = cache.path_fingerprints(arguments, self.tracking_uri)
+        except MlplatError as err:
+            raise PipelineError(f"pipeline {self.graph.pipeline!r}: step {name!r}: {err}") from None
+        base, identity = self.keys[name] = _base_key(node, arguments, paths)
+        cached = self._find_cached(base) if self.use_cache and cacheable else None
         tags = {
             "mlflow.parentRunId": self.run_id,
             "mlplat.pipeline": self.graph.pipeline,
@@ -215,10 +249,10 @@ class _PipelineRun:
             "mlplat.step": name,
             "mlplat.step.function": node.step.fn.__qualname__,
             "mlplat.step.code_hash": node.step.code_hash,
-            CACHE_KEY_TAG: key,
         }
+        if cacheable and cached is None:  # a run that will hold a result: an entry once it succeeds
+            tags[cache.BASE_TAG] = base
         inputs = {param: _describe_input(value) for param, value in arguments.items()}
-        cached = self._find_cached(key) if self.use_cache and node.step.settings.cache else None
         run_id = self.client.create_run(self.experiment_id, run_name=name, tags=tags).info.run_id
         logger = RunLogger(run_id, self.tracking_uri)
         logger.log_params({f"input.{k}": v for k, v in inputs.items()})
@@ -260,19 +294,27 @@ class _PipelineRun:
         )
         bound = node.step.signature.bind(*self._resolve(node.args), **self._resolve(node.kwargs))
         ref = _step_task.options(
-            name=f"{self.graph.pipeline}.{name}", runtime_env=self.runtime_env, **settings.ray_options()
+            name=f"{self.graph.pipeline}.{name}", runtime_env=self.runtime_envs[name], **settings.ray_options()
         ).remote(node.step.fn, bound.args, bound.kwargs, context, self.lineage[name])
         total = settings.retries + 1
         self.log(f"{name}: running" + (f" (attempt {number}/{total})" if total > 1 else ""))
         deadline = time.monotonic() + settings.timeout_s if settings.timeout_s else None
         return _Attempt(name, number, ref, deadline)
 
-    def _succeeded(self, attempt: _Attempt, outputs: Any) -> None:
+    def _succeeded(self, attempt: _Attempt, returned: tuple[Any, dict[str, str]]) -> None:
         name = attempt.node
+        outputs, modules = returned
         record = self.records[name]
         record.seconds = time.monotonic() - self.started[name]
         logger = RunLogger(record.run_id, self.tracking_uri)
         logger.log_dict(to_json(outputs), OUTPUTS_FILE)
+        step = self.graph.nodes[name].step
+        if step.settings.cache:
+            base, identity = self.keys[name]
+            # The step's own module too: a step is pickled by value (its module's attribute is the Step,
+            # not the function), so helpers from its file travel with it and its worker never imports that file.
+            modules = {**modules, **cache.current_module_hashes([step.fn.__module__])}
+            cache.record_entry(self.client, record.run_id, base, identity, dict(sorted(modules.items())))
         logger.set_tags({"mlplat.step.attempts": attempt.number})
         logger.end("FINISHED")
         self.outputs[name] = outputs
@@ -303,20 +345,14 @@ class _PipelineRun:
                 f"{record.run_id}, mlplat/error.txt); the steps that succeeded are cached, so running it again resumes here"
             )
 
-    def _find_cached(self, key: str) -> tuple[str, Any] | None:
-        runs = self.client.search_runs(
-            [self.experiment_id],
-            filter_string=f"tags.`{CACHE_KEY_TAG}` = '{key}' and attributes.status = 'FINISHED'",
-            order_by=["attributes.start_time DESC"],
-            max_results=1,
-        )
-        if not runs:
+    def _find_cached(self, base: str) -> tuple[str, Any] | None:
+        run_id = cache.find_entry(self.client, self.experiment_id, base)
+        if run_id is None:
             return None
-        run_id = runs[0].info.run_id
         with tempfile.TemporaryDirectory() as tmp:
             path = self.client.download_artifacts(run_id, OUTPUTS_FILE, tmp)
             outputs = from_json(json.loads(Path(path).read_text()))
-        return runs[0].data.tags.get("mlplat.cached_from", run_id), outputs
+        return run_id, outputs
 
     # -- values and bookkeeping -----------------------------------------------------------
 
@@ -382,7 +418,9 @@ def _flat(value: dict[str, Any], prefix: str = "") -> dict[str, str]:
     """``{"cfg": {"lr": 1}}`` -> ``{"cfg.lr": "1"}`` (MLflow params)."""
     out: dict[str, str] = {}
     for key, v in value.items():
-        if isinstance(v, dict) and v:
+        if isinstance(v, dict) and ARTIFACT_KEY in v:  # an artifact parameter: its URI
+            out[f"{prefix}{key}"] = v["uri"]
+        elif isinstance(v, dict) and v:
             out.update(_flat(v, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = v if isinstance(v, str) else json.dumps(v)

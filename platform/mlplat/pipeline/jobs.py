@@ -6,6 +6,12 @@
 the job's driver runs the pipeline on the cluster and tracks it where
 ``MLFLOW_TRACKING_URI`` says.
 
+Before the job, a probe job (a second's Python, deleted after) checks the environment the job will
+run in: a cluster whose Python cannot import mlplat gets this machine's mlplat shipped with the job
+(``runtime_env`` ``py_modules``), one that lacks mlplat's dependencies is refused, and so is a
+multi-node cluster whose tracking URI is not a server (a sqlite file on the driver's node is not
+seen by steps on other nodes).
+
 Token auth (Ray's ``RAY_AUTH_MODE=token``): the token is sent as a bearer header, read from
 ``--auth-token-file``, else ``RAY_AUTH_TOKEN``, else the file at ``RAY_AUTH_TOKEN_PATH``, else
 ``~/.ray/auth_token`` when ``RAY_AUTH_MODE=token``. It is never printed or put in the job's
@@ -16,11 +22,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
+import json
 import os
+import re
 import shlex
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -153,6 +163,117 @@ class Jobs:
     def dashboard_link(self, job_id: str) -> str:
         return f"{self.address}/#/jobs/{job_id}"
 
+    def nodes(self) -> list[dict]:
+        """The cluster's alive nodes (state API), each with ``is_head_node`` and ``resources_total``."""
+        with self._errors():
+            response = self.client._do_request("GET", "/api/v0/nodes?limit=10000&detail=false")
+        if response.status_code != 200:
+            raise MlplatError(f"{self.address}: listing the cluster's nodes failed ({response.status_code}): {response.text.strip()[:200]}")
+        rows = response.json()["data"]["result"]["result"]
+        return [n for n in rows if n.get("state") == "ALIVE"]
+
+    def probe(self, runtime_env: dict, timeout_s: float = 300) -> ClusterProbe:
+        """Run PROBE in the job's runtime_env (working_dir, env_vars) on the cluster; the job record is deleted after."""
+        requirements = mlplat_requirements()
+        with self._errors():
+            job_id = self.client.submit_job(entrypoint=shlex.join(["python", "-c", PROBE, json.dumps(requirements)]),
+                                            runtime_env=runtime_env, entrypoint_num_cpus=0,
+                                            submission_id=f"mlplat-probe-{uuid.uuid4().hex[:8]}")
+            deadline = time.monotonic() + timeout_s
+            while (info := self.client.get_job_info(job_id)).status.value not in TERMINAL:
+                if time.monotonic() > deadline:
+                    self.client.stop_job(job_id)
+                    raise MlplatError(f"{self.address}: the environment probe job {job_id} did not finish in {timeout_s:g}s: "
+                                      f"is the cluster busy, or its runtime_env set-up stuck? (mlplat jobs logs {job_id})")
+                time.sleep(0.2)
+            logs = self.client.get_job_logs(job_id)
+            with contextlib.suppress(Exception):  # a probe leaves no record behind; a failed delete costs nothing
+                self.client.delete_job(job_id)
+        found = re.search(r"^MLPLAT_PROBE (.*)$", logs, re.MULTILINE)
+        if info.status.value != "SUCCEEDED" or not found:
+            why = (logs.strip().splitlines() or [info.message or "no output"])[-1]
+            raise MlplatError(f"{self.address}: the cluster could not run Python for this job ({why}): "
+                              "check that `python` on the head's PATH is the cluster's environment")
+        return ClusterProbe.from_dict(json.loads(found.group(1)))
+
+
+# Run on the cluster with the job's runtime_env: what that Python has of what mlplat needs (stdlib only).
+PROBE = """
+import importlib.metadata as md, importlib.util, json, os, sys
+def version(dist):
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+mlplat = None
+if importlib.util.find_spec("mlplat"):
+    import mlplat
+    mlplat = getattr(mlplat, "__version__", None) or version("mlplat") or "unknown"
+print("MLPLAT_PROBE " + json.dumps({"python": "%d.%d.%d" % sys.version_info[:3], "mlplat": mlplat,
+      "missing": [d for d in json.loads(sys.argv[1]) if version(d) is None], "tracking_uri": os.environ.get("MLFLOW_TRACKING_URI")}))
+"""
+
+
+@dataclass(frozen=True)
+class ClusterProbe:
+    python: str  # the job's Python version
+    mlplat: str | None  # the mlplat version it imports, None if it cannot
+    missing: list[str]  # mlplat's requirements it does not have
+    tracking_uri: str | None  # MLFLOW_TRACKING_URI the job will see (ours, else the cluster's)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ClusterProbe:
+        return cls(python=data["python"], mlplat=data["mlplat"], missing=list(data["missing"]), tracking_uri=data["tracking_uri"])
+
+
+def mlplat_requirements() -> list[str]:
+    """The distributions this mlplat needs at run time (no extras), by name."""
+    from packaging.requirements import Requirement
+
+    names = []
+    for text in importlib.metadata.requires("mlplat") or []:
+        req = Requirement(text)
+        if req.marker is None or req.marker.evaluate({"extra": ""}):
+            names.append(req.name)
+    return sorted(set(names))
+
+
+def mlplat_shipment(probe: ClusterProbe, address: str) -> list[str]:
+    """``py_modules`` for the job: [] if the cluster runs this mlplat, else this machine's package; refuses what shipping cannot fix."""
+    import mlplat
+
+    local = mlplat.__version__
+    if probe.missing:
+        shown = ", ".join(probe.missing[:6]) + (f" and {len(probe.missing) - 6} more" if len(probe.missing) > 6 else "")
+        raise MlplatError(f"{address}: the cluster's Python {probe.python} lacks {shown}, which mlplat needs: run the cluster from "
+                          "an image with mlplat installed (cluster_configs/Dockerfile), or start its head from this project's environment")
+    if probe.mlplat == local:
+        return []
+    from packaging.specifiers import SpecifierSet
+
+    needs = importlib.metadata.metadata("mlplat").get("Requires-Python") or ""
+    if probe.python not in SpecifierSet(needs):
+        raise MlplatError(f"{address}: the cluster's Python {probe.python} cannot run mlplat (needs Python {needs}): "
+                          "run the cluster from an image with mlplat installed (cluster_configs/Dockerfile)")
+    have = "cannot import mlplat" if probe.mlplat is None else f"has mlplat {probe.mlplat}"
+    print(f"note: the cluster's Python {have}: shipping this machine's mlplat {local} with the job (runtime_env py_modules)")
+    return [str(Path(mlplat.__file__).parent)]
+
+
+def is_tracking_server(uri: str | None) -> bool:
+    """An MLflow server every node reaches (http(s), Databricks), unlike a file or sqlite store on one node."""
+    return bool(uri) and (uri == "databricks" or urlparse(uri).scheme in ("http", "https", "databricks"))
+
+
+def check_tracking(nodes: list[dict], tracking_uri: str | None, address: str) -> None:
+    """Refuse a multi-node cluster (or one whose head runs no work) without a tracking server: steps track where the driver cannot see."""
+    head_cpus = next((n.get("resources_total", {}).get("CPU", 0) for n in nodes if n.get("is_head_node")), 0)
+    if (len(nodes) > 1 or head_cpus == 0) and not is_tracking_server(tracking_uri):
+        where = f"MLFLOW_TRACKING_URI is {tracking_uri}" if tracking_uri else "MLFLOW_TRACKING_URI is not set"
+        raise MlplatError(f"{address} is a multi-node cluster ({len(nodes)} nodes) and {where}, a store only the driver's node sees: "
+                          "set MLFLOW_TRACKING_URI (or --env MLFLOW_TRACKING_URI=...) to a tracking server every node reaches, "
+                          "e.g. the head's http://HEAD:5000 (docs/kubernetes.md#mlflow-tracking-server)")
+
 
 def submit_pipeline(
     file: str,
@@ -198,10 +319,16 @@ def submit_pipeline(
             tracking_uri = default_tracking_uri()
         if tracking_uri:
             env_vars["MLFLOW_TRACKING_URI"] = tracking_uri
-        else:
-            print("note: MLFLOW_TRACKING_URI is not set, so the job tracks into its own working directory on the cluster")
     if (root / "platform" / "mlplat").is_dir():  # this repository: the job imports the uploaded mlplat
         env_vars.setdefault("PYTHONPATH", "platform")
+
+    runtime_env = {"working_dir": str(root), "excludes": EXCLUDES, "env_vars": env_vars}
+    probe = jobs.probe(runtime_env)  # the job's own environment, as the cluster gives it
+    check_tracking(jobs.nodes(), probe.tracking_uri, jobs.address)
+    if not probe.tracking_uri:
+        print("note: MLFLOW_TRACKING_URI is not set, so the job tracks into its own working directory on the cluster")
+    if py_modules := mlplat_shipment(probe, jobs.address):
+        runtime_env["py_modules"] = py_modules
 
     command = ["python", "-m", "mlplat.cli", "run", path.relative_to(root).as_posix(), "--pipeline", pipe.name, "--verbose"]  # the job log is the log
     for override in overrides:
@@ -213,7 +340,7 @@ def submit_pipeline(
     job_id = jobs.submit(
         entrypoint=shlex.join(command),
         submission_id=f"{tenant + '-' if tenant else ''}{pipe.name}-{uuid.uuid4().hex[:8]}",
-        runtime_env={"working_dir": str(root), "excludes": EXCLUDES, "env_vars": env_vars},
+        runtime_env=runtime_env,
         metadata=job_metadata(tenant, pipe.name, request),
         entrypoint_num_cpus=entrypoint_num_cpus,
         entrypoint_num_gpus=entrypoint_num_gpus,

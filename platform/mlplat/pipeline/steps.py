@@ -24,6 +24,7 @@ from mlflow.tracking import MlflowClient
 from pydantic import BaseModel, ByteSize, Field
 
 from mlplat.config import Config, validate
+from mlplat.pipeline import cache  # noqa: F401 - notes when a worker loaded the runner (before the step's modules)
 
 
 class StepOptions(Config):
@@ -37,8 +38,8 @@ class StepOptions(Config):
     retries: int = Field(default=0, ge=0)  # extra attempts after a failure or a timeout
     retry_backoff_s: float = Field(default=1.0, ge=0)  # wait before the first retry; doubles each time
     timeout_s: float | None = Field(default=None, gt=0)  # per attempt; the task is cancelled after it
-    cache: bool = True  # reuse the outputs of a successful run with the same code and inputs
-    version: str = ""  # part of the cache key: bump it when code the step calls (not its own body) changes
+    cache: bool = True  # reuse the outputs of a successful run with the same code and inputs (mlplat.pipeline.cache)
+    version: str = ""  # part of the cache key: bump it for what the key cannot see (e.g. code only a subprocess imports)
     name: str | None = None  # the step's name in the pipeline (default: the function's)
 
     def ray_options(self) -> dict[str, Any]:
@@ -150,9 +151,13 @@ def step_context() -> StepContext:
     return context
 
 
-def execute_step(fn: Callable, args: tuple, kwargs: dict, context: StepContext, lineage: dict[str, str]) -> Any:
-    """The body of a step's Ray task: run the function, then publish its file outputs to MLflow."""
+def execute_step(
+    fn: Callable, args: tuple, kwargs: dict, context: StepContext, lineage: dict[str, str]
+) -> tuple[Any, dict[str, str]]:
+    """The body of a step's Ray task: run the function, publish its file outputs to MLflow, and
+    list the project modules this process loaded with their hashes (the code its cache entry covers)."""
     from mlplat.pipeline.artifacts import publish
+    from mlplat.pipeline.cache import loaded_project_modules
 
     Path(context.workdir).mkdir(parents=True, exist_ok=True)
     token = _CURRENT.set(context)
@@ -160,4 +165,4 @@ def execute_step(fn: Callable, args: tuple, kwargs: dict, context: StepContext, 
         result = fn(*args, **kwargs)
     finally:
         _CURRENT.reset(token)
-    return publish(result, context.client, context.run_id, lineage)
+    return publish(result, context.client, context.run_id, lineage), loaded_project_modules()

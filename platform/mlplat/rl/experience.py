@@ -12,8 +12,8 @@ import json
 
 import torch
 
+from mlplat import collectives
 from mlplat.rl.rollout import Sample
-from mlplat.train import collectives
 from mlplat.train.batch import IGNORE_INDEX, pad_collate
 from mlplat.train.logprobs import labelled_logprobs, labelled_logprobs_and_entropy
 

@@ -18,7 +18,7 @@ critic with its own) and how many passes over each rollout.
         a log window every log_every steps (MLflow, Prometheus), a checkpoint every checkpoint_every:
         the policy as every recipe saves it, each other trainable in the subdirectory named after it
 
-Every collective goes through ``mlplat.train.collectives``; every log-prob through ``mlplat.train.logprobs``.
+Every collective goes through ``mlplat.collectives``; every log-prob through ``mlplat.train.logprobs``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Protocol
 import torch
 from pydantic import Field, field_validator, model_validator
 
+from mlplat import collectives
 from mlplat.data.ingest import DataConfig
 from mlplat.data.rl_prompts import prompt_messages
 from mlplat.evaluation import read_eval_rows
@@ -42,7 +43,6 @@ from mlplat.observability.progress import ProgressReporter
 from mlplat.rl.experience import RowsCollate, batch_moments, completion_mask, micro_batches, rollout_batch, score_completions
 from mlplat.rl.rewards import RewardConfig, build_reward_fn, weighted_rewards
 from mlplat.rl.rollout import RolloutConfig, generate, held_out_exact_match, sync_weights
-from mlplat.train import collectives
 from mlplat.train.checkpoint import TRAIN_STATE, CheckpointMeta, load_checkpoint, save_checkpoint
 from mlplat.train.health import RankHealth
 from mlplat.train.loop import (

@@ -119,7 +119,7 @@ def sync_weights(policy, rollout_workers: list, rank: int, device: torch.device)
     full copy in the object store (a 7B model's 15 GB in bf16). A collective broadcast replaces the
     object store where the actors hold GPUs in the trainers' group. In-process rollouts (one per rank)
     each load the layers on their own rank."""
-    from mlplat.train import collectives
+    from mlplat import collectives
     from mlplat.train.parallel import full_weights_by_layer
 
     in_process = all(isinstance(worker, InProcessRollout) for worker in rollout_workers)

@@ -7,8 +7,8 @@ from typing import Literal
 import numpy as np
 import torch
 
+from mlplat import collectives
 from mlplat.data.labels import IGNORE_INDEX, PAD_SEQ_ID
-from mlplat.train import collectives
 
 
 def pad_collate(batch: dict[str, np.ndarray], pad_token_id: int) -> dict[str, torch.Tensor]:

@@ -33,9 +33,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from mlplat import collectives
 from mlplat.data.loader import DataPosition
 from mlplat.errors import CheckpointError
-from mlplat.train import collectives
 from mlplat.train.lora import is_lora, merge_and_export
 from mlplat.train.parallel import full_state_dict, load_sharded, save_sharded, unwrap
 

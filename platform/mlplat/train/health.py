@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 from pydantic import Field
 
+from mlplat import collectives
 from mlplat.config import Config
 from mlplat.health import marking
 from mlplat.health.hang import HangConfig, HangWatchdog
 from mlplat.health.straggler import StragglerConfig, StragglerDetector, StragglerError
 from mlplat.observability.catalogue import TRAIN_ATTEMPT_STARTED, TRAIN_RANK_SLOWDOWN
 from mlplat.tracking import RunLogger
-from mlplat.train import collectives
 from mlplat.train.worker import WorkerEnv
 
 log = logging.getLogger("mlplat.health")

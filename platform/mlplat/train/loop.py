@@ -15,15 +15,15 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
+from mlplat import collectives
 from mlplat.config import Config
 from mlplat.data.ingest import DataConfig
 from mlplat.data.loader import ShardLoader
-from mlplat.train.health import FaultInjection, RankHealth, TrainingHealthConfig
 from mlplat.observability import catalogue
 from mlplat.observability.profiling import ProfileConfig, StepProfiler, step_time_summary
 from mlplat.observability.progress import ProgressReporter
-from mlplat.train import collectives
 from mlplat.train.checkpoint import CheckpointFormat, CheckpointMeta, TrainState, load_checkpoint, read_train_state, save_checkpoint
+from mlplat.train.health import FaultInjection, RankHealth, TrainingHealthConfig
 from mlplat.train.logprobs import TokenLogprobHead, install_logprob_head
 from mlplat.train.lora import LoRAConfig, apply_lora
 from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer

@@ -31,8 +31,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from mlplat import collectives
 from mlplat.config import Config
-from mlplat.train import collectives
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

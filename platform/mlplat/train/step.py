@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from mlplat.train import collectives
+from mlplat import collectives
 from mlplat.train.batch import IGNORE_INDEX, count_tokens
 from mlplat.train.logprobs import labelled_logprobs
 from mlplat.train.perf import PhaseTimer

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mlplat.train import collectives
+from mlplat import collectives
 
 
 class MetricsLog(Protocol):

@@ -48,6 +48,20 @@ def all_reduce(tensor: torch.Tensor, device: torch.device, op: ReduceOp = "sum")
     return out
 
 
+def all_reduce_(tensor: torch.Tensor, device: torch.device, op: ReduceOp = "sum") -> torch.Tensor:
+    """``tensor`` reduced over the ranks in place: for a buffer already on ``device`` that a bandwidth check
+    times (no copy inside the timed call); one elsewhere is refused, as NCCL would refuse a CPU tensor."""
+    device = torch.device(device)
+    if tensor.device.type != device.type or (device.index is not None and tensor.device.index != device.index):
+        raise ValueError(f"all_reduce_: the tensor is on {tensor.device}, the group's device is {device}")
+    if active():
+        dist.all_reduce(tensor, op=_OPS[op])
+        ISSUED["all_reduce"] += 1
+        if op == "mean":
+            tensor /= dist.get_world_size()
+    return tensor
+
+
 def reduce_values(values: dict[str, float], device: torch.device, op: ReduceOp = "sum") -> dict[str, float]:
     """Python numbers reduced over the ranks in one float64 all-reduce on ``device``."""
     if not values:
