@@ -37,7 +37,9 @@ def build_app(cfg: ServeConfig) -> Application:
     if cfg.engine == "vllm":  # the same topology on Ray Serve LLM (mlplat.serve.vllm_backend)
         return build_vllm_app(cfg)
     model_dir = resolve_model(cfg.model)
-    engine_cfg = validate(EngineConfig, {**cfg.engine_args, "model": str(model_dir)}, "engine_args")
+    # the engine's max_logprobs follows the ingress's limit unless engine_args sets it
+    given = {"max_logprobs": cfg.limits.max_top_logprobs, **cfg.engine_args, "model": str(model_dir)}
+    engine_cfg = validate(EngineConfig, given, "engine_args")
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
@@ -53,6 +55,7 @@ def build_app(cfg: ServeConfig) -> Application:
         max_sequences_in_flight=limits.ingress_sequences,
         gate=build_gatekeeper(cfg.auth, cfg.ingress.num_replicas),  # holds key hashes only, never keys
         tool_call_parser=cfg.tool_call_parser,
+        limits=cfg.limits,
     )
     engine_args = engine_cfg.model_dump(mode="json")
     ingress = OpenAIIngress.options(**_options(cfg.ingress, "ingress", limits.ingress_max_ongoing_requests))

@@ -403,8 +403,8 @@ def test_update_weights_in_place(llama, tmp_path, tiny_model):
 
 
 def test_back_pressure_and_bad_requests(llama):
-    engine = engine_for(llama, max_waiting=2)
-    accepted = [engine.add_request(p, GREEDY) for p in prompts(2, seed=13)]
+    engine = engine_for(llama, max_waiting=2, max_num_seqs=1)
+    accepted = [engine.add_request(p, GREEDY) for p in prompts(3, seed=13)]  # 1 running (once scheduled) + 2 waiting
     with pytest.raises(QueueFullError, match="waiting queue is full"):
         engine.add_request([5, 6, 7], GREEDY)
     with pytest.raises(ValueError, match="exceeds the model's context"):

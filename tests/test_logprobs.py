@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -98,3 +99,95 @@ def test_recipe_steps_never_hold_logits_for_more_than_a_chunk_and_the_unchunked_
     for name, run in runs.items():
         assert 0 < largest_rows(run, install_logprob_head(load_model(tiny_model), chunk_tokens=chunk)) <= chunk, name
     assert largest_rows(runs["sft"], load_model(tiny_model)) >= rows * (length - 1)  # the whole batch's logits: caught
+
+
+# -- the serving engine's log-probs: each generated token's top alternatives, and the prompt's (echo + logprobs) ---------
+def _engine(tiny_model, **kw):
+    from mlplat.engine import EngineConfig, LLMEngine
+
+    # 4-token blocks and 5-token steps: prompts are prefilled in chunks, and their full blocks land in the prefix cache
+    return LLMEngine(EngineConfig(model=str(tiny_model), block_size=4, num_kv_blocks=64, max_num_batched_tokens=5, **kw))
+
+
+def _run(engine, prompt, params):
+    out = engine.generate([prompt], params)[0]
+    engine.block_manager.check_invariants(engine.live_sequences())
+    assert engine.block_manager.num_free_blocks == len(engine.block_manager.blocks)
+    return out
+
+
+PROMPT = "What is 12 + 34? Answer with the digits"
+
+
+def test_engine_top_logprobs_and_prompt_logprobs(tiny_model):
+    from mlplat.engine import SamplingParams
+
+    engine = _engine(tiny_model)
+    prompt = engine.tokenizer.encode(PROMPT, add_special_tokens=False)
+    _run(engine, prompt, SamplingParams(temperature=0, max_tokens=2))  # the prompt's blocks are now in the prefix cache
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=True, top_logprobs=3, prompt_logprobs=2, n=2)
+    out = _run(engine, prompt, params)
+    for o in out.outputs:
+        assert len(o.top_logprobs) == len(o.token_ids) == 6
+        for token, logprob, alternatives in zip(o.token_ids, o.logprobs, o.top_logprobs):
+            ids, values = zip(*alternatives)
+            assert len(ids) == 3 and list(values) == sorted(values, reverse=True)
+            assert ids[0] == token and abs(values[0] - logprob) < 1e-6  # greedy: the top-1 is the chosen token
+    # The prompt's log-probs, computed during its (chunked) prefill despite the cached prefix, are what scoring gives.
+    assert out.prompt_logprobs[0] == (None, None) and len(out.prompt_logprobs) == len(prompt)
+    expected = engine.score(prompt)
+    torch.testing.assert_close(torch.tensor([lp for lp, _ in out.prompt_logprobs[1:]]), torch.tensor(expected), atol=1e-5, rtol=1e-5)
+    for (logprob, alternatives) in out.prompt_logprobs[1:]:
+        assert len(alternatives) == 2 and alternatives[0][1] >= alternatives[1][1] >= -1e9 and logprob <= alternatives[0][1] + 1e-6
+    # Asking nothing returns nothing; over the engine's max_logprobs is refused by name.
+    plain = _run(engine, prompt, SamplingParams(temperature=0, max_tokens=3, logprobs=True))
+    assert plain.prompt_logprobs is None and plain.outputs[0].top_logprobs is None
+    torch.testing.assert_close(torch.tensor(plain.outputs[0].logprobs), torch.tensor(out.outputs[0].logprobs[:3]), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="top_logprobs: 21 is over this engine's max_logprobs"):
+        engine.add_request(prompt, SamplingParams(logprobs=True, top_logprobs=21))
+
+
+def test_top_logprobs_through_the_pd_handoff_and_speculative_decoding(tiny_model):
+    from mlplat.engine import SamplingParams
+    from mlplat.engine.config import SpeculativeConfig
+
+    prefill, decode = _engine(tiny_model), _engine(tiny_model)
+    prompt = prefill.tokenizer.encode(PROMPT, add_special_tokens=False)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=True, top_logprobs=2, prompt_logprobs=1)
+    alone = _run(_engine(tiny_model), prompt, params)
+    payload = prefill.prefill(prompt, params)
+    assert payload.first_top_logprobs[0][0] == payload.first_token and len(payload.prompt_logprobs) == len(prompt)
+    decode.add_prefilled(payload, params, "r")
+    done = [o for _ in range(20) for o in decode.step()]
+    assert done[0].prompt_logprobs == alone.prompt_logprobs
+    assert done[0].outputs[0].token_ids == alone.outputs[0].token_ids
+    for got, want in zip(done[0].outputs[0].top_logprobs, alone.outputs[0].top_logprobs):
+        assert [t for t, _ in got] == [t for t, _ in want]
+        torch.testing.assert_close(torch.tensor([lp for _, lp in got]), torch.tensor([lp for _, lp in want]), atol=1e-5, rtol=1e-5)
+    # Accepted drafts get their alternatives too, from the verifying rows.
+    spec = _engine(tiny_model, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    drafted = _run(spec, prompt, params.model_copy(update={"prompt_logprobs": None}))
+    assert spec.speculator.num_draft_tokens > 0
+    ids = lambda out: [[t for t, _ in alt] for alt in out.outputs[0].top_logprobs]  # noqa: E731
+    assert ids(drafted) == ids(alone)
+
+
+def test_prompt_logprobs_survive_preemption_mid_prefill(tiny_model):
+    """A prompt whose log-probs are asked for, preempted part-way through its chunked prefill (a decoding request needs its
+    blocks), is recomputed from the start: each position's log-prob is recorded once and equals scoring's."""
+    from mlplat.engine import EngineConfig, LLMEngine, SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model), block_size=4, num_kv_blocks=5, max_num_batched_tokens=4))
+    prompt = engine.tokenizer.encode(PROMPT, add_special_tokens=False)[:12]
+    decoding = engine.add_request(prompt[:6], SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))
+    for _ in range(3):
+        engine.step()  # the first request is decoding, and will need a block every 4 tokens
+    asking = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=1))
+    done = {}
+    while engine.has_unfinished:
+        done |= {out.request_id: out for out in engine.step()}
+        engine.block_manager.check_invariants(engine.live_sequences())
+    assert engine.scheduler.num_preemptions > 0 and set(done) == {decoding, asking}
+    logprobs = done[asking].prompt_logprobs
+    assert len(logprobs) == len(prompt) and logprobs[0] == (None, None)
+    torch.testing.assert_close(torch.tensor([lp for lp, _ in logprobs[1:]]), torch.tensor(engine.score(prompt)), atol=1e-5, rtol=1e-5)

@@ -187,3 +187,31 @@ def test_new_params_survive_serialization():
                             min_tokens=4, min_p=0.1)  # fmt: skip
     assert SamplingParams(**params.model_dump()) == params
     assert SamplingParams.model_validate_json(params.model_dump_json()) == params
+
+
+@settings(max_examples=30, deadline=None)
+@given(batches(), st.data())
+def test_top_logprobs_are_the_raw_distributions_k_likeliest_sorted_and_hold_the_greedy_token(batch, data):
+    """Each asking row's k alternatives: the k largest raw log-probs, likeliest first; a greedy row's top-1 is its token
+    where nothing adjusts its logits, and a chosen token at least as likely as the k-th is among them with its log-prob."""
+    from mlplat.engine.sampling import top_logprobs
+
+    logits, params, history = batch
+    ks = data.draw(st.lists(st.integers(0, 6), min_size=len(params), max_size=len(params)))
+    tokens, chosen, top = sample(logits, params, [None] * len(params), history, {EOS}, num_top_logprobs=ks)
+    raw = torch.log_softmax(logits, -1)
+    for i, k in enumerate(ks):
+        if k == 0:
+            assert top[i] is None
+            continue
+        ids, values = [t for t, _ in top[i]], [lp for _, lp in top[i]]
+        assert len(ids) == min(k, logits.shape[1]) == len(set(ids))
+        assert values == sorted(values, reverse=True)
+        torch.testing.assert_close(torch.tensor(values), raw[i].topk(len(ids)).values)
+        torch.testing.assert_close(torch.tensor(values), raw[i, ids])
+        if params[i].greedy and not params[i].adjusts_logits:
+            assert raw[i, int(tokens[i])] >= values[0] - 1e-6  # the greedy token is the top-1 (or tied with it)
+        if float(chosen[i]) > values[-1] + 1e-6:  # the chosen token is likelier than the k-th: it is listed, with its log-prob
+            assert abs(dict(top[i])[int(tokens[i])] - float(chosen[i])) < 1e-6
+    assert sample(logits, params, [None] * len(params), history, {EOS}, num_top_logprobs=[0] * len(params))[2] == [None] * len(params)
+    assert top_logprobs(raw, [0] * len(params)) == [None] * len(params)

@@ -3,7 +3,9 @@ real `openai` client: PD-disaggregated and colocated apps side by side."""
 
 from __future__ import annotations
 
+import collections
 import json
+import os
 import re
 import time
 from typing import Annotated, Literal
@@ -106,7 +108,7 @@ def test_chat_streaming_logprobs_and_stop(apps):
         ({"model": "tiny", "prompt": "hi", "n": 100}, "n"),
         ({"model": "tiny", "prompt": ""}, "prompt"),
         ({"model": "tiny", "prompt": "hi", "suffix": "!"}, "suffix"),  # not supported: refused, never dropped
-        ({"model": "tiny", "prompt": "hi", "logprobs": 3}, "logprobs"),  # top alternatives are not returned
+        ({"model": "tiny", "prompt": "hi", "logprobs": 21}, "logprobs"),  # over limits.max_top_logprobs
         ({"model": "tiny", "prompt": "hi", "logit_bias": {"99999": 5}}, "logit_bias"),  # outside the vocabulary
         ({"model": "tiny", "prompt": "hi", "logit_bias": {"5": 500}}, "logit_bias"),
         ({"model": "tiny", "prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
@@ -115,9 +117,8 @@ def test_chat_streaming_logprobs_and_stop(apps):
         ({"model": "tiny", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"model": "tiny", "prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),  # without stream
         ({"model": "tiny", "prompt": [[5, 6], [7, 99999]]}, "prompt.1.1"),  # the second prompt's second token id
-        ({"model": "tiny", "prompt": ["a", "b"], "stream": True}, "prompt"),
         ({"model": "tiny", "prompt": ["hi"] * 65}, "prompt"),
-        ({"model": "tiny", "prompt": "hi", "logprobs": 0, "echo": True}, "echo"),
+        ({"model": "tiny", "prompt": "hi", "logit_bias": {str(t): 1 for t in range(301)}}, "logit_bias"),
     ],
 )
 def test_bad_completion_requests_are_400_naming_the_field(apps, body, param):
@@ -137,13 +138,69 @@ def test_bad_completion_requests_are_400_naming_the_field(apps, body, param):
         ({"model": "tiny", "messages": CHAT, "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ({"model": "tiny", "messages": CHAT, "tool_choice": "required"}, "tool_choice"),  # without tools
         ({"model": "tiny", "messages": CHAT, "tools": []}, "tools"),
-        ({"model": "tiny", "messages": CHAT, "top_logprobs": 2, "logprobs": True}, "top_logprobs"),
+        ({"model": "tiny", "messages": CHAT, "top_logprobs": 2}, "top_logprobs"),  # without logprobs
+        ({"model": "tiny", "messages": CHAT, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "content"),
     ],
 )
 def test_bad_chat_requests_are_400(apps, body, param):
     r = httpx.post(f"{apps['pd']}/chat/completions", json=body, timeout=60)
     assert r.status_code == 400 and param in r.json()["error"]["message"]
+
+
+def test_per_request_limits_come_from_the_serve_config():
+    """RequestLimits: typed and validated in the serve config, with OpenAI's / vLLM's defaults; a request over one names the field
+    and the limit."""
+    from pydantic import ValidationError
+
+    from mlplat.serve.config import RequestLimits
+    from mlplat.serve.openai_protocol import ChatCompletionRequest, CompletionRequest
+
+    limits = RequestLimits()
+    assert (limits.max_n, limits.max_stop, limits.max_logit_bias, limits.max_top_logprobs) == (8, 4, 300, 20)
+    assert ServeConfig(model="m", limits={"max_n": 2}).limits.max_n == 2
+    with pytest.raises(ValidationError, match="max_n"):
+        ServeConfig(model="m", limits={"max_n": 0})
+    with pytest.raises(ValidationError, match="limits"):
+        ServeConfig(model="m", engine="vllm", auth={"enabled": False}, limits={"max_n": 2})
+    chat = ChatCompletionRequest(model="tiny", messages=CHAT, n=3, logprobs=True, top_logprobs=5, stop=["a", "b"])
+    assert chat.over_limit(limits) is None
+    assert chat.over_limit(RequestLimits(max_n=2)) == ("n", "n: 3 is over this server's limit of 2 (serve config limits.max_n)")
+    assert chat.over_limit(RequestLimits(max_stop=1))[0] == "stop"
+    assert chat.over_limit(RequestLimits(max_top_logprobs=4))[1].endswith("limit of 4 (serve config limits.max_top_logprobs)")
+    completion = CompletionRequest(model="tiny", prompt=["a", "b", "c"], logprobs=3, logit_bias={1: 1, 2: 1})
+    assert completion.over_limit(RequestLimits(max_prompts=2))[0] == "prompt"
+    assert completion.over_limit(RequestLimits(max_logit_bias=1))[0] == "logit_bias"
+    assert completion.over_limit(RequestLimits(max_top_logprobs=2))[0] == "logprobs"
+
+
+def test_completions_tokenize_with_the_tokenizers_special_tokens():
+    """A Llama-3-style tokenizer adds its BOS to a completions prompt, as vLLM tokenizes it (chat templates write their own)."""
+    from test_chat_templates import LLAMA3_SPLIT, train_tokenizer
+
+    from mlplat.serve.ingress import completion_prompt_ids
+
+    llama = train_tokenizer(LLAMA3_SPLIT, ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"], bos_token="<|begin_of_text|>",
+                            eos_token="<|eot_id|>", pad_token="<|end_of_text|>")  # fmt: skip
+    ids = completion_prompt_ids(llama, "What is 1 + 2?")
+    assert ids[0] == llama.bos_token_id and ids[1:] == llama.encode("What is 1 + 2?", add_special_tokens=False)
+
+
+def test_tool_call_holdback_streams_everything_but_a_possible_marker():
+    from mlplat.serve.ingress import ToolCallHoldback
+
+    def run(pieces: list[str]) -> list[str]:
+        h = ToolCallHoldback("<tool_call>")
+        return [h.push(p) for p in pieces]
+
+    assert run(["Hello", " wor", "ld"]) == ["Hello", " wor", "ld"]  # no marker can be forming: nothing waits
+    assert run(["Hi <", "tool", "_ca", "ll>{", "}"]) == ["Hi ", "", "", "", ""]  # from a possible marker prefix on it waits
+    assert run(["a <to", "p> b"]) == ["a ", "<top> b"]  # not the marker after all: released
+    h = ToolCallHoldback("<tool_call>")
+    assert h.push("Sure. <tool_call>{}") == "Sure. " and h.push("</tool_call> done") == ""
+    assert h.rest("Sure.  done") == " done"  # at the end, the content around the calls not sent yet
+    h = ToolCallHoldback("<tool_call>")
+    assert h.push("x <tool_") == "x " and h.rest("x <tool_") == "<tool_"
 
 
 def test_the_clients_fields_are_each_handled_or_refused_by_name():
@@ -308,6 +365,126 @@ def test_tool_calls_non_stream_stream_and_a_two_turn_round_trip(apps):
         assert auto.choices[0].message.tool_calls is None and auto.choices[0].finish_reason in ("stop", "length")
 
 
+def test_top_logprobs_in_chat_and_completions_streaming_or_not(apps):
+    """Each generated token's k likeliest alternatives, sorted; under temperature 0 the top-1 is the chosen token and carries
+    its log-prob; streamed, the same numbers arrive with the tokens."""
+    for mode in ("pd", "colo"):
+        c = client(apps, mode)
+        kwargs = dict(model="tiny", messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3,
+                      extra_body={"ignore_eos": True})  # fmt: skip
+        whole = c.chat.completions.create(**kwargs).choices[0].logprobs.content
+        assert len(whole) == 6
+        for t in whole:
+            values = [a.logprob for a in t.top_logprobs]
+            assert len(values) == 3 and values == sorted(values, reverse=True)
+            assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == t.logprob  # greedy: the top-1 is the token
+        streamed = [t for ch in c.chat.completions.create(**kwargs, stream=True) for choice in ch.choices
+                    for t in (choice.logprobs.content if choice.logprobs else [])]  # fmt: skip
+        tokens = lambda entries: [(t.token, [a.token for a in t.top_logprobs]) for t in entries]  # noqa: E731
+        assert tokens(streamed) == tokens(whole)
+        assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in whole], abs=1e-5)
+        # completions: logprobs k gives each position a {token: log-prob} of the chosen token and the k likeliest (k + 1 at most)
+        sampled = c.completions.create(model="tiny", prompt="What is", max_tokens=5, temperature=1.0, seed=2, logprobs=2,
+                                       extra_body={"ignore_eos": True}).choices[0].logprobs  # fmt: skip
+        for token, logprob, top in zip(sampled.tokens, sampled.token_logprobs, sampled.top_logprobs):
+            assert 2 <= len(top) <= 3 and top[token] == pytest.approx(logprob)
+            assert logprob <= max(top.values())
+        chunks = [ch.choices[0].logprobs for ch in c.completions.create(model="tiny", prompt="What is", max_tokens=5, temperature=1.0,
+                                                                         seed=2, logprobs=2, stream=True, extra_body={"ignore_eos": True})
+                  if ch.choices and ch.choices[0].logprobs]  # fmt: skip
+        assert [t for lp in chunks for t in lp.tokens] == sampled.tokens
+        assert [d for lp in chunks for d in lp.top_logprobs] == [pytest.approx(d) for d in sampled.top_logprobs]
+
+
+def test_echo_with_logprobs_returns_the_prompts_log_probs_first(apps, tiny_model):
+    """echo + logprobs: the prompt's tokens come first with their log-probs (the first None), as the engine scores them,
+    then the completion's; streamed, the prompt's arrive in the first chunk."""
+    from mlplat.serve.ingress import completion_prompt_ids
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model)))
+    prompt = "What is 1 + 2?"
+    ids = completion_prompt_ids(engine.tokenizer, prompt)
+    expected = engine.score(ids)
+    for mode in ("pd", "colo"):
+        c = client(apps, mode)
+        r = c.completions.create(model="tiny", prompt=[prompt, "ok"], n=2, max_tokens=3, temperature=0, echo=True, logprobs=1,
+                                 extra_body={"ignore_eos": True})  # fmt: skip
+        assert len(r.choices) == 4
+        for choice in r.choices[:2]:  # prompt 0's two samples
+            lp = choice.logprobs
+            assert choice.text.startswith(prompt) and len(lp.tokens) == len(ids) + 3
+            assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+            assert lp.token_logprobs[1 : len(ids)] == pytest.approx(expected, abs=1e-4)
+            assert all(lp.tokens[k] in lp.top_logprobs[k] for k in range(1, len(lp.tokens)))
+            assert "".join(lp.tokens[: len(ids)]) == prompt and lp.text_offset[len(ids)] == len(prompt)
+        assert r.choices[2].text.startswith("ok") and r.choices[2].logprobs.token_logprobs[0] is None
+        first = next(ch for ch in c.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=0,
+                                                        stream=True) if ch.choices)  # fmt: skip
+        assert first.choices[0].text == prompt and first.choices[0].logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+
+
+def test_a_list_of_prompts_streams_with_choice_indices(apps):
+    for mode in ("pd", "colo"):
+        c = client(apps, mode)
+        kwargs = dict(model="tiny", prompt=["hi", "What is 1 + 2?", "ok"], n=2, max_tokens=4, temperature=0)
+        whole = c.completions.create(**kwargs)
+        texts, reasons = collections.defaultdict(str), {}
+        for chunk in c.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+                reasons[choice.index] = choice.finish_reason or reasons.get(choice.index)
+            usage = chunk.usage or None
+        assert dict(texts) == {ch.index: ch.text for ch in whole.choices} and sorted(texts) == list(range(6))
+        assert reasons == {ch.index: ch.finish_reason for ch in whole.choices}
+        assert usage.prompt_tokens == whole.usage.prompt_tokens and usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_streaming_with_tools_auto_sends_content_as_it_comes_then_tool_call_deltas(apps):
+    """tool_choice auto: content is streamed while no <tool_call> can be forming; a call is sent as tool-call deltas."""
+    c = client(apps, "pd")
+    kwargs = dict(model="tiny", messages=ASK, tools=[ADD], max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    whole = c.chat.completions.create(**kwargs).choices[0].message.content
+    pieces = [ch.choices[0].delta.content for ch in c.chat.completions.create(**kwargs, stream=True)
+              if ch.choices and ch.choices[0].delta.content]  # fmt: skip
+    assert "".join(pieces) == whole and len(pieces) >= 2  # not held back to the end
+    # An answer (forced by a regex, still parsed as auto) with text before a call: the text streams first, then the call.
+    regex = r'Sure\. <tool_call>\n\{"name": "add", "arguments": \{"a": 5\}\}\n</tool_call>'
+    events = []
+    forced = {**kwargs, "max_tokens": 85, "extra_body": {"structured_outputs": {"regex": regex}}}  # no ignore_eos: the grammar ends it
+    for ch in c.chat.completions.create(**forced, stream=True):
+        for choice in ch.choices:
+            if choice.delta.content:
+                events.append(("content", choice.delta.content))
+            for d in choice.delta.tool_calls or []:
+                events.append(("call", d.function.name or d.function.arguments))
+            if choice.finish_reason:
+                events.append(("finish", choice.finish_reason))
+    assert "".join(e[1] for e in events if e[0] == "content").strip() == "Sure."
+    assert events[-3:] == [("call", "add"), ("call", '{"a": 5}'), ("finish", "tool_calls")], events
+    assert all(kind == "content" for kind, _ in events[:-3])
+
+
+def test_responses_are_the_openai_packages_types_on_the_wire(apps):
+    """The bodies are what openai's own types dump, with only the fields OpenAI sends: strict validation passes."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    headers = {"Authorization": f"Bearer {KEY}"}
+    chat = httpx.post(f"{apps['colo']}/chat/completions", json={"model": "tiny", "messages": CHAT, "max_tokens": 2}, headers=headers,
+                      timeout=60).json()  # fmt: skip
+    assert ChatCompletion.model_validate(chat, strict=True).object == "chat.completion"
+    assert chat.keys() == {"id", "object", "created", "model", "choices", "usage"}
+    assert chat["choices"][0].keys() == {"index", "message", "logprobs", "finish_reason"}
+    assert chat["choices"][0]["message"].keys() == {"role", "content"}
+    completion = httpx.post(f"{apps['colo']}/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, headers=headers,
+                            timeout=60).json()  # fmt: skip
+    assert Completion.model_validate(completion, strict=True).usage.completion_tokens <= 2
+    with httpx.stream("POST", f"{apps['colo']}/chat/completions", headers=headers, timeout=60,
+                      json={"model": "tiny", "messages": CHAT, "max_tokens": 2, "stream": True}) as r:  # fmt: skip
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and all(ChatCompletionChunk.model_validate_json(e).object == "chat.completion.chunk" for e in events[:-1])
+
+
 def test_invalid_json_is_400(apps):
     r = httpx.post(f"{apps['pd']}/completions", content=b"{not json", headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
@@ -320,6 +497,120 @@ def test_api_keys(apps):
     assert httpx.get(f"{base}/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=60).status_code == 200
     body = httpx.get(f"{base}/models", timeout=60).json()
     assert body["error"]["code"] == "invalid_api_key" and KEY not in str(body)
+
+
+# -- generated requests: Schemathesis from the app's own OpenAPI schema -------------------------------------------------
+FUZZ_EXAMPLES = int(os.environ.get("MLPLAT_FUZZ_EXAMPLES", "200"))  # per mode; docs/testing.md: the longer run
+FUZZ_MAX_TOKENS = 4  # generated answers stay short: the fuzzer is after the request surface, not long generations
+FUZZ_PROMPT_CHARS = 24
+
+
+FUZZ_STREAMED = {"model", "prompt", "messages", "max_tokens", "temperature", "seed", "n", "echo", "logprobs", "top_logprobs", "stop"}
+
+
+def _fuzz_case(case, keep_model: int):
+    """A generated request made cheap to serve, and mostly for the served model: max_tokens capped (left invalid where it is,
+    set where absent) and n at most 2; ``model`` replaced by the served one unless ``keep_model`` is 0 (then it stays whatever
+    was generated, mostly a 404). For ``keep_model`` 7, a streamed request of the generated values of a few common fields (few
+    generated requests would otherwise be both valid and streamed)."""
+    body = case.body
+    if isinstance(body, dict) and keep_model == 7:
+        body = case.body = {k: v for k, v in body.items() if k in FUZZ_STREAMED} | {"stream": True}
+    if isinstance(body, dict):
+        if keep_model and isinstance(body.get("model"), str):
+            body["model"] = "tiny"
+        for key in ("max_tokens", "max_completion_tokens"):
+            if isinstance(body.get(key), int) and not isinstance(body[key], bool) and body[key] > FUZZ_MAX_TOKENS:
+                body[key] = FUZZ_MAX_TOKENS
+        if "max_tokens" not in body and "max_completion_tokens" not in body:
+            body["max_tokens"] = FUZZ_MAX_TOKENS
+        if isinstance(body.get("n"), int) and not isinstance(body["n"], bool) and 2 < body["n"] <= 8:
+            body["n"] = 2
+        # prompts short enough for the tiny model's 256-token context (generated text is mostly multi-byte characters)
+        if isinstance(body.get("prompt"), str):
+            body["prompt"] = body["prompt"][:FUZZ_PROMPT_CHARS]
+        elif isinstance(body.get("prompt"), list) and all(isinstance(p, str) for p in body["prompt"]):
+            body["prompt"] = [p[:FUZZ_PROMPT_CHARS] for p in body["prompt"]]
+        if isinstance(body.get("messages"), list):
+            for m in body["messages"]:
+                if isinstance(m, dict) and isinstance(m.get("content"), str):
+                    m["content"] = m["content"][:FUZZ_PROMPT_CHARS]
+    return case
+
+
+def _check_response(case, response) -> str:
+    """2xx, or a 4xx with an OpenAI error body; never a 5xx. A stream's events are JSON, end with [DONE], and hold no server
+    error. Returns the outcome's kind, for the tally."""
+    where = f"{case.method} {case.path} {case.body!r:.600}"
+    assert response.status_code < 500, f"{response.status_code} for {where}: {response.text[:600]}"
+    if response.status_code >= 400:
+        error = response.json()["error"]
+        assert isinstance(error["message"], str) and error["type"] == "invalid_request_error" and {"param", "code"} <= error.keys(), where
+        return str(response.status_code)
+    assert response.status_code == 200, where
+    if response.headers["content-type"].startswith("text/event-stream"):
+        events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", where
+        for event in map(json.loads, events[:-1]):
+            assert event.get("error", {}).get("type") != "server_error", f"{event} for {where}"
+        return "stream"
+    body = response.json()
+    if case.path == "/v1/chat/completions":
+        from openai.types.chat import ChatCompletion
+
+        ChatCompletion.model_validate(body)  # what the openai client reads
+    elif case.path == "/v1/completions":
+        assert body["object"] == "text_completion" and all(isinstance(c["text"], str) for c in body["choices"]), where
+    return "200"
+
+
+@pytest.mark.parametrize("mode", ["pd", "colo"])
+def test_generated_requests_are_2xx_or_4xx_with_an_openai_error_and_the_app_lives_on(apps, mode):
+    """Schemathesis (valid and invalid requests, from /openapi.json of the running app) against every route, FUZZ_EXAMPLES
+    requests per mode; then the app still answers."""
+    import collections
+
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import strategies as st
+    from schemathesis import GenerationMode
+
+    base = apps[mode].removesuffix("/v1")
+    headers = {"Authorization": f"Bearer {KEY}"}
+    document = httpx.get(f"{base}/openapi.json", timeout=60).json()  # the app's own schema, as served
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"} <= document["paths"].keys()
+    schema = schemathesis.openapi.from_dict(document)
+    operations = [result.ok() for result in schema.get_all_operations()]
+    cases = st.one_of([op.as_strategy(generation_mode=m) for op in operations for m in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)])
+    tally, reasons = collections.Counter(), collections.Counter()
+    http = httpx.Client(timeout=60)
+
+    def send(case):
+        # Schemathesis' own transport (requests) breaks where urllib3-future replaces urllib3 (grafana-client pulls it in
+        # through niquests): the request it builds is sent with httpx instead.
+        kw = case.as_transport_kwargs(base_url=base, headers=headers)
+        data = kw.get("data")
+        if "json" in kw:
+            body = {"json": kw["json"]}
+        else:
+            body = {"content": data} if isinstance(data, bytes | str) else {"data": data} if data else {}
+        return http.request(kw["method"], kw["url"], headers=kw["headers"], params=kw.get("params") or None, **body)
+
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(case=cases, keep_model=st.integers(0, 7))
+    def fuzz(case, keep_model):
+        case = _fuzz_case(case, keep_model)
+        response = send(case)
+        tally[_check_response(case, response)] += 1
+        if response.status_code >= 400:
+            reasons[response.json()["error"]["message"].split(":")[0][:40]] += 1
+
+    with http:
+        fuzz()
+    print(f"{mode}: {sum(tally.values())} generated requests: {dict(tally)}; most refused for: {reasons.most_common(8)}")
+    assert sum(tally.values()) >= FUZZ_EXAMPLES and tally["200"] + tally["stream"] > 0 and tally["400"] > 0
+    assert httpx.get(f"{base}/health", timeout=60).status_code == 200
+    assert client(apps, mode).completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].finish_reason
 
 
 def test_overload_is_503_with_retry_after_and_nothing_leaks(apps):

@@ -47,4 +47,6 @@ class EngineConfig(Config):
     # engine.cpu_kernels). False, or where they cannot be built: gather + SDPA and ATen's ops.
     cpu_kernels: bool = True
     speculative: SpeculativeConfig | None = None
+    # The most top log-probs a request may ask for per token (top_logprobs, prompt_logprobs), as vLLM's max_logprobs
+    max_logprobs: int = Field(20, ge=0)
     structured_outputs: StructuredLimits = StructuredLimits()  # per-request limits on grammars (engine.structured)

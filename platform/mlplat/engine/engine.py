@@ -22,7 +22,7 @@ from mlplat.engine.block_manager import BlockManager
 from mlplat.engine.config import EngineConfig
 from mlplat.engine.kv_transfer import KVPayload
 from mlplat.engine.runner import ModelRunner
-from mlplat.engine.sampling import SamplingParams, sample
+from mlplat.engine.sampling import SamplingParams, sample, top_logprobs
 from mlplat.engine.scheduler import QueueFullError, Scheduler
 from mlplat.engine.sequence import Sequence, Status
 from mlplat.engine.spec_decode import Speculator
@@ -48,6 +48,7 @@ class CompletionOutput:
     text: str
     finish_reason: str | None
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # params.top_logprobs: each token's alternatives, likeliest first
     # Every sampled token, the stop token included, with its log-prob: what an RL trainer scores.
     sampled_token_ids: list[int] = field(default_factory=list)
     sampled_logprobs: list[float] | None = None
@@ -59,6 +60,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    # params.prompt_logprobs: each prompt token's (log-prob given the tokens before it, top alternatives); the first (None, None)
+    prompt_logprobs: list[tuple[float | None, list[tuple[int, float]] | None]] | None = None
     error: RequestFailedError | None = None  # set when the request failed inside a step (outputs empty)
 
 
@@ -136,10 +139,14 @@ class LLMEngine:
             )
 
     def check_params(self, params: SamplingParams) -> None:
-        """ValueError for sampling parameters that name a token outside this engine's vocabulary."""
+        """ValueError for sampling parameters that name a token outside this engine's vocabulary, or ask for more
+        top log-probs than max_logprobs."""
         bad = next((t for t in params.logit_bias if t >= self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        for name in ("top_logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > self.cfg.max_logprobs:
+                raise ValueError(f"{name}: {getattr(params, name)} is over this engine's max_logprobs ({self.cfg.max_logprobs})")
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
@@ -171,7 +178,8 @@ class LLMEngine:
         """Logits per scheduled sequence: [1 + its drafts, V] (a draft's row verifies it)."""
         if self.fault_hook:
             self.fault_hook("forward", None)
-        num_logits = [len(d) + 1 for d in drafts]
+        # A prefill whose prompt log-probs are asked for: logits at every position of the chunk (that sequence's only).
+        num_logits = [n if seq.needs_prompt_logprobs else len(d) + 1 for (seq, n), d in zip(batch, drafts)]
         return self.runner.run([(s, n + len(d)) for (s, n), d in zip(batch, drafts)], num_logits).split(num_logits)
 
     def _postprocess(self, batch: list[tuple[Sequence, int]], drafts: list[list[int]], rows: tuple[torch.Tensor, ...]) -> list[RequestOutput]:
@@ -184,6 +192,8 @@ class LLMEngine:
             try:
                 if self.fault_hook:
                     self.fault_hook("sample", seq)
+                if seq.needs_prompt_logprobs:
+                    self._record_prompt_logprobs(seq, n, rows[i])
                 self._advance(seq, n, d, rows[i], sampled.get(i))
             except Exception as err:  # noqa: BLE001  (this request's failure, not the engine's)
                 failed[seq.request_id] = err
@@ -191,6 +201,23 @@ class LLMEngine:
             if seq.is_finished and all(s.is_finished for s in self.requests[seq.request_id]):
                 finished_requests.add(seq.request_id)
         return [self._pop_output(r) for r in finished_requests - failed.keys()] + [self._fail(r, err) for r, err in failed.items()]
+
+    PROMPT_LOGPROBS_CHUNK = 256  # prompt positions whose log-softmax is taken at once
+
+    def _record_prompt_logprobs(self, seq: Sequence, n: int, rows: torch.Tensor) -> None:
+        """The prompt tokens' log-probs from a prefill chunk's logits ``rows`` [n, V] (positions num_computed_tokens ..
+        + n - 1, each predicting the next token): the target's log-softmax and the top alternatives, a chunk of
+        positions at a time. The last position of the prompt predicts the first output token: not a prompt token's."""
+        start, k = seq.num_computed_tokens, seq.params.prompt_logprobs
+        begin = max(0, len(seq.prompt_logprobs) - 1 - start)  # rows whose target has one already (recomputed after preemption)
+        count = min(n, seq.num_prompt_tokens - 1 - start)  # rows whose target is a prompt token
+        for a in range(begin, count, self.PROMPT_LOGPROBS_CHUNK):
+            b = min(count, a + self.PROMPT_LOGPROBS_CHUNK)
+            logprobs = torch.log_softmax(rows[a:b].float(), dim=-1)
+            targets = torch.tensor(seq.token_ids[start + a + 1 : start + b + 1], device=logprobs.device)
+            chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+            top = top_logprobs(logprobs, [k] * (b - a)) if k else [None] * (b - a)
+            seq.prompt_logprobs.extend(zip(chosen, top))
 
     def _sample_plain(self, batch, drafts, rows, failed: dict) -> dict[int, list[tuple[int, float]]]:
         """Sample the rows without drafts, batched; if the batch fails, row by row, failing only the
@@ -213,10 +240,15 @@ class LLMEngine:
         seqs = [batch[i][0] for i in index]
         logits = torch.stack([rows[i][-1] for i in index])
         matchers = [s.matcher for s in seqs] if any(s.matcher is not None for s in seqs) else None
-        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], seqs, self.eos_token_ids, matchers)
-        return {i: [(t, lp)] for i, t, lp in zip(index, tokens.tolist(), logprobs.tolist())}
+        ks = [s.params.top_logprobs for s in seqs]
+        args = (logits, [s.params for s in seqs], [s.generator for s in seqs], seqs, self.eos_token_ids, matchers)
+        if not any(ks):
+            tokens, logprobs = sample(*args)
+            return {i: [(t, lp, None)] for i, t, lp in zip(index, tokens.tolist(), logprobs.tolist())}
+        tokens, logprobs, top = sample(*args, num_top_logprobs=ks)  # only the asking rows' alternatives
+        return {i: [(t, lp, alt)] for i, t, lp, alt in zip(index, tokens.tolist(), logprobs.tolist(), top)}
 
-    def _advance(self, seq: Sequence, n: int, drafts: list[int], rows: torch.Tensor, emitted: list[tuple[int, float]] | None) -> None:
+    def _advance(self, seq: Sequence, n: int, drafts: list[int], rows: torch.Tensor, emitted: list[tuple] | None) -> None:
         """Account one sequence's step: its computed tokens, then its new token(s) (``emitted``, the
         plain sample; verified drafts instead where it had drafts) unless it is mid-prefill."""
         seq.num_computed_tokens += n
@@ -225,10 +257,10 @@ class LLMEngine:
         self.block_manager.cache_full_blocks(seq)  # before a finish frees the blocks
         if seq.num_computed_tokens < len(seq):
             return  # a prefill chunk: nothing to sample yet
-        for j, (token, logprob) in enumerate(emitted):
+        for j, (token, logprob, top) in enumerate(emitted):
             if j > 0:
                 seq.num_computed_tokens += 1  # the accepted draft before this token is in the cache
-            self._append(seq, token, logprob)
+            self._append(seq, token, logprob, top)
             if seq.is_finished:
                 break
         if len(emitted) > 1 and not seq.is_finished:
@@ -245,11 +277,13 @@ class LLMEngine:
     def spec_acceptance_rate(self) -> float:
         return self.speculator.acceptance_rate if self.speculator else 0.0
 
-    def _append(self, seq: Sequence, token: int, logprob: float) -> None:
+    def _append(self, seq: Sequence, token: int, logprob: float, top: list[tuple[int, float]] | None = None) -> None:
         if seq.matcher is not None:
             advance(seq.matcher, token)
         seq.token_ids.append(token)
         seq.output_logprobs.append(logprob)
+        if seq.params.top_logprobs:
+            seq.output_top_logprobs.append(list(top or []))
         reason = self._finish_reason(seq)
         if reason is None:
             return
@@ -281,7 +315,8 @@ class LLMEngine:
 
     def _pop_output(self, request_id: str) -> RequestOutput:
         seqs = self.requests.pop(request_id)
-        out = RequestOutput(request_id, seqs[0].token_ids[: seqs[0].num_prompt_tokens], finished=True)
+        out = RequestOutput(request_id, seqs[0].token_ids[: seqs[0].num_prompt_tokens], finished=True,
+                            prompt_logprobs=seqs[0].prompt_logprobs)
         for seq in seqs:
             ids = seq.output_token_ids
             if ids and self._is_stop_token(seq, ids[-1]):
@@ -294,6 +329,7 @@ class LLMEngine:
                 CompletionOutput(
                     seq.sample_index, ids, text, seq.finish_reason,
                     logprobs=seq.output_logprobs[: len(ids)] if seq.params.logprobs else None,
+                    top_logprobs=seq.output_top_logprobs[: len(ids)] if seq.params.top_logprobs else None,
                     sampled_token_ids=list(seq.output_token_ids),
                     sampled_logprobs=list(seq.output_logprobs) if seq.params.logprobs else None,
                 )
@@ -343,8 +379,10 @@ class LLMEngine:
         matcher = self.grammars.matcher(params.structured) if params.structured is not None else None  # before any block is taken
         seq = kv_transfer.import_prefilled(self, payload, params, request_id)
         seq.matcher = matcher  # the grammar from its start: the first token below advances it as on the prefill side
+        if seq.prompt_logprobs is not None and payload.prompt_logprobs is not None:
+            seq.prompt_logprobs = list(payload.prompt_logprobs)  # computed by the prefill side
         self.requests[request_id] = [seq]
-        self._append(seq, payload.first_token, payload.first_logprob)
+        self._append(seq, payload.first_token, payload.first_logprob, payload.first_top_logprobs)
         if not seq.is_finished:
             self.scheduler.add([seq])
         return request_id

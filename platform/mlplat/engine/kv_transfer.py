@@ -30,6 +30,8 @@ class KVPayload:
     layout: dict  # num_layers, num_kv_heads, head_dim, dtype of the producing engine
     created_at: float = 0.0  # time.time() when prefill finished, to measure the handoff
     rng_state: torch.Tensor | None = None  # a seeded request's generator after the first draw
+    first_top_logprobs: list[tuple[int, float]] | None = None  # params.top_logprobs: the first token's alternatives
+    prompt_logprobs: list | None = None  # params.prompt_logprobs: computed here, during the prefill (Sequence.prompt_logprobs)
 
     @property
     def nbytes(self) -> int:
@@ -62,7 +64,9 @@ def export_prefill(engine: LLMEngine, prompt: str | list[int], params: SamplingP
     engine.requests.pop(request_id, None)
     n = seq.num_prompt_tokens
     rng_state = seq.generator.get_state() if seq.generator is not None else None
-    return KVPayload(seq.token_ids[:n], seq.token_ids[n], seq.output_logprobs[0], exported[0], engine.runner.kv_layout, time.time(), rng_state)
+    top = seq.output_top_logprobs[0] if seq.output_top_logprobs else None
+    return KVPayload(seq.token_ids[:n], seq.token_ids[n], seq.output_logprobs[0], exported[0], engine.runner.kv_layout, time.time(),
+                     rng_state, top, seq.prompt_logprobs)  # fmt: skip
 
 
 def import_prefilled(engine: LLMEngine, payload: KVPayload, params: SamplingParams, request_id: str) -> Sequence:

@@ -42,12 +42,20 @@ class SamplingParams(Config):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: bool = False  # return the log-prob of each chosen token
+    # With logprobs: also the top_logprobs most likely tokens at each generated position, with their log-probs (of the
+    # same raw distribution as the chosen token's); 0: none. The engine bounds it (EngineConfig.max_logprobs).
+    top_logprobs: int = Field(0, ge=0)
+    # The prompt tokens' log-probs (each given the tokens before it; the first has none), computed during the prefill,
+    # with this many top alternatives per position; None: not computed. vLLM's prompt_logprobs, for echo + logprobs.
+    prompt_logprobs: int | None = Field(None, ge=0)
     structured: StructuredOutputs | None = None  # a grammar the output must follow (engine.structured)
 
     @model_validator(mode="after")
     def _check(self) -> "SamplingParams":
         if self.top_k == 0:
             raise ValueError("top_k must be -1 (off) or >= 1")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         return self
@@ -85,8 +93,10 @@ def sample(
     history: Sequence[TokenHistory] | None = None,
     eos_token_ids: Collection[int] = (),
     matchers: Sequence | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row of ``logits`` [B, V]; returns (token ids [B], their log-probs [B]).
+    num_top_logprobs: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, list[list[tuple[int, float]] | None]]:
+    """One token per row of ``logits`` [B, V]; returns (token ids [B], their log-probs [B]), and with
+    ``num_top_logprobs`` (per row, 0 for none) a third item: each asking row's top alternatives (``top_logprobs``).
 
     ``history`` (each row's token ids) is read by the penalties and min_tokens, and needed only where a
     row uses them; min_tokens holds off ``eos_token_ids`` (unless ignore_eos) and the row's stop_token_ids.
@@ -106,7 +116,25 @@ def sample(
         every = len(rows) == len(params)
         dist = sampling_probs(logits if every else logits[rows], [params[i] for i in rows])
         tokens[rows] = draw(dist, [generators[i] for i in rows])
-    return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    if num_top_logprobs is None:
+        return tokens, chosen
+    return tokens, chosen, top_logprobs(logprobs, num_top_logprobs)
+
+
+def top_logprobs(logprobs: torch.Tensor, ks: Sequence[int]) -> list[list[tuple[int, float]] | None]:
+    """Row i's ``ks[i]`` most likely (token id, log-prob) pairs of ``logprobs`` [B, V], most likely first; None where
+    ``ks[i]`` is 0. One topk of the largest k over the asking rows only: a batch where none asks costs nothing."""
+    rows = [i for i, k in enumerate(ks) if k > 0]
+    out: list[list[tuple[int, float]] | None] = [None] * len(ks)
+    if not rows:
+        return out
+    k = min(max(ks[i] for i in rows), logprobs.shape[-1])
+    picked = logprobs if len(rows) == len(ks) else logprobs[rows]
+    values, ids = picked.topk(k, dim=-1)  # sorted, largest first
+    for i, v, t in zip(rows, values.tolist(), ids.tolist()):
+        out[i] = list(zip(t[: ks[i]], v[: ks[i]]))
+    return out
 
 
 # -- 1. the logits, greedy rows included --------------------------------------------------------------

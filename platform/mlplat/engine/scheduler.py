@@ -31,8 +31,11 @@ class Scheduler:
         self.num_preemptions = 0
 
     def check_room(self, num_seqs: int) -> None:
-        """QueueFullError unless ``num_seqs`` more sequences fit in the waiting queue."""
-        if len(self.waiting) + num_seqs > self.max_waiting:
+        """QueueFullError unless ``num_seqs`` more sequences fit: the engine holds max_num_seqs running plus max_waiting
+        waiting (mlplat.serve.admission counts on it), so queued sequences fill the free running slots first, which the
+        next step admits them to. (Counting max_waiting alone refused the 5th of 6 sequences added between two steps to an
+        idle engine of 4 + 4: a PD decode replica receiving a burst of handoffs.)"""
+        if len(self.waiting) + num_seqs > self.max_waiting + max(0, self.max_num_seqs - len(self.running)):
             raise QueueFullError(f"waiting queue is full ({self.max_waiting} sequences); retry later")
 
     def add(self, seqs: list[Sequence]) -> None:
@@ -75,7 +78,8 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             fresh = seq.num_computed_tokens == 0  # not an imported (prefilled) sequence
-            cached = self.block_manager.cached_prefix(seq) if fresh else []
+            # A prompt whose log-probs are asked for is computed whole: cached positions would have no logits.
+            cached = self.block_manager.cached_prefix(seq) if fresh and not seq.needs_prompt_logprobs else []
             n = min(len(seq) - len(cached) * self.block_manager.block_size - seq.num_computed_tokens, budget)
             if not self.block_manager.allocate_slots(seq, n, cached, after_lookup=fresh):
                 if self.running or not self._reclaim_waiting_blocks(seq):

@@ -34,6 +34,11 @@ class Sequence:
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[list[tuple[int, float]]] = []  # params.top_logprobs: each output token's alternatives
+        # params.prompt_logprobs (sample 0 only): each prompt token's (log-prob, alternatives), the first (None, None)
+        self.prompt_logprobs: list[tuple[float | None, list[tuple[int, float]] | None]] | None = (
+            [(None, None)] if params.prompt_logprobs is not None and sample_index == 0 else None
+        )
         self.generator: torch.Generator | None = None
         self.leader: Sequence | None = None  # n > 1: sample 0, whose prefill the others reuse
         self.on_finish: Callable[[Sequence], None] | None = None  # called as it finishes, before its blocks are freed
@@ -49,6 +54,12 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt positions still lack their log-probs: such a sequence computes its whole prompt (no prefix
+        cache hits, whose positions would have no logits) and gets logits at every prompt position it computes."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -19,7 +19,7 @@ import torch
 
 from mlplat.engine.block_manager import BlockManager
 from mlplat.engine.config import EngineConfig, SpeculativeConfig
-from mlplat.engine.sampling import SamplingParams, sampling_probs
+from mlplat.engine.sampling import SamplingParams, sampling_probs, top_logprobs
 from mlplat.engine.sequence import Sequence
 
 
@@ -165,15 +165,17 @@ class Speculator:
                 drafts[i] = d
         return drafts
 
-    def accept(self, seq: Sequence, rows: torch.Tensor, drafts: list[int]) -> list[tuple[int, float]]:
+    def accept(self, seq: Sequence, rows: torch.Tensor, drafts: list[int]) -> list[tuple[int, float, list | None]]:
         """Take the drafts back off ``seq`` (they join it only once verified) and verify them against the
-        target's ``rows`` [len(drafts) + 1, V]: the tokens to emit, with their log-probs."""
+        target's ``rows`` [len(drafts) + 1, V]: the tokens to emit, with their log-probs (and top alternatives
+        where the request asks for them)."""
         del seq.token_ids[len(seq) - len(drafts) :]
         emitted = verify(rows, drafts, seq.params, seq.generator)
         self.num_draft_tokens += len(drafts)
         self.num_accepted_tokens += len(emitted) - 1
         logprobs = torch.log_softmax(rows.float(), dim=-1)
-        return [(t, logprobs[j, t].item()) for j, t in enumerate(emitted)]
+        top = top_logprobs(logprobs[: len(emitted)], [seq.params.top_logprobs] * len(emitted))
+        return [(t, logprobs[j, t].item(), top[j]) for j, t in enumerate(emitted)]
 
     @property
     def acceptance_rate(self) -> float:

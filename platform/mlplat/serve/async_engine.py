@@ -53,6 +53,8 @@ class Delta:
     logprobs: list[float]
     finish_reason: str | None = None
     text: str | None = None  # the final text (stop strings cut off), on the last delta only
+    top_logprobs: list | None = None  # params.top_logprobs: each token's [(token id, log-prob)] alternatives
+    prompt_logprobs: list | None = None  # params.prompt_logprobs: on sample 0's first delta (RequestOutput.prompt_logprobs)
 
 
 @dataclass
@@ -61,6 +63,7 @@ class _Stream:
     queue: asyncio.Queue
     deadline: float | None = None  # time.time() past which the request is aborted
     delivered: dict[int, int] = field(default_factory=dict)  # sample index -> tokens sent
+    prompt_logprobs_sent: bool = False
 
 
 class AsyncEngine:
@@ -239,7 +242,9 @@ class AsyncEngine:
                 continue
             for o in out.outputs:
                 sent = stream.delivered.get(o.index, 0)
-                self._deliver(stream, Delta(o.index, o.token_ids[sent:], (o.logprobs or [])[sent:], o.finish_reason, o.text))
+                top = o.top_logprobs[sent:] if o.top_logprobs is not None else None
+                self._deliver(stream, Delta(o.index, o.token_ids[sent:], (o.logprobs or [])[sent:], o.finish_reason, o.text, top,
+                                            self._prompt_logprobs(stream, o.index, out.prompt_logprobs)))  # fmt: skip
         for request_id, seqs in self.engine.requests.items():
             stream = self._streams.get(request_id)
             if stream is None:
@@ -252,4 +257,15 @@ class AsyncEngine:
                 upto = seq.num_output_tokens - 1
                 if upto > sent:
                     stream.delivered[seq.sample_index] = upto
-                    self._deliver(stream, Delta(seq.sample_index, seq.output_token_ids[sent:upto], seq.output_logprobs[sent:upto]))
+                    top = seq.output_top_logprobs[sent:upto] if seq.params.top_logprobs else None
+                    prompt = self._prompt_logprobs(stream, seq.sample_index, seqs[0].prompt_logprobs)
+                    self._deliver(stream, Delta(seq.sample_index, seq.output_token_ids[sent:upto], seq.output_logprobs[sent:upto],
+                                                top_logprobs=top, prompt_logprobs=prompt))  # fmt: skip
+
+    @staticmethod
+    def _prompt_logprobs(stream: _Stream, index: int, prompt_logprobs: list | None) -> list | None:
+        """The prompt's log-probs, once per request: on sample 0's first delta (its prefill is done by then)."""
+        if index != 0 or stream.prompt_logprobs_sent or prompt_logprobs is None:
+            return None
+        stream.prompt_logprobs_sent = True
+        return prompt_logprobs

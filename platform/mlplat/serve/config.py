@@ -32,6 +32,7 @@ NATIVE_ONLY_HINTS = {
     "default_max_tokens": "with engine: vllm clients set max_tokens (without it vLLM may generate up to the context length)",
     "prefill_router": "with engine: vllm Ray Serve LLM routes requests itself",
     "request_timeout_s": "with engine: vllm set Serve's http_options.request_timeout_s or a gateway timeout",
+    "limits": "with engine: vllm set vLLM's own limits in vllm.engine_kwargs (e.g. max_logprobs)",
 }
 
 # Ray Serve LLM derives these from the rest of the config (and refuses the first two in engine_kwargs).
@@ -85,6 +86,20 @@ class VLLMConfig(Config):
         return name
 
 
+class RequestLimits(Config):
+    """Per-request limits of the native ingress (engine: native). A request over one is a 400 that names the field and
+    the limit. The size of a structured-output schema / grammar is the engine's: engine_args.structured_outputs."""
+
+    max_n: int = Field(8, ge=1)  # samples per prompt (`n`)
+    max_stop: int = Field(4, ge=0)  # stop strings (OpenAI's limit)
+    max_logit_bias: int = Field(300, ge=0)  # logit_bias entries (OpenAI's limit)
+    # top log-probs per token: chat top_logprobs, completions logprobs (vLLM's default max_logprobs); the engine's
+    # max_logprobs follows it unless engine_args sets it
+    max_top_logprobs: int = Field(20, ge=0)
+    max_prompts: int = Field(64, ge=1)  # prompts in one completions request
+    max_tools: int = Field(64, ge=1)  # tools in one chat request
+
+
 class ServeConfig(Config):
     model: str  # local HF checkpoint directory or models:/NAME/VERSION|@ALIAS
     model_name: str | None = None  # the name clients pass as `model` (default: registry name or directory name)
@@ -107,6 +122,8 @@ class ServeConfig(Config):
     # engine: native: how tool calls are read from a chat answer (mlplat.serve.tool_parsers): hermes is
     # <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Hermes 2 Pro, Qwen2.5)
     tool_call_parser: Literal["hermes"] = "hermes"
+    # engine: native: per-request limits (n, stop strings, logit_bias entries, top log-probs, prompts, tools)
+    limits: RequestLimits = RequestLimits()
     # API keys (tenant:key in $MLPLAT_API_KEYS) and per-tenant rate limits. Validated even when left
     # at its default, because engine: vllm must say `enabled: false` (see _keys_need_the_native_ingress).
     auth: AuthConfig = Field(AuthConfig(), validate_default=True)
@@ -127,7 +144,7 @@ class ServeConfig(Config):
     # Settings one engine would silently ignore are errors. These validators see `mode` and `engine`
     # (declared above them) in info.data, and, but for `auth`, run only on fields the config sets.
 
-    @field_validator("engine_args", "default_max_tokens", "prefill_router", "request_timeout_s")
+    @field_validator("engine_args", "default_max_tokens", "prefill_router", "request_timeout_s", "limits")
     @classmethod
     def _native_only(cls, value: Any, info: ValidationInfo) -> Any:
         if info.data.get("engine") == "vllm":

@@ -12,11 +12,14 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
@@ -29,6 +32,7 @@ from mlplat.observability.logs import RequestIdMiddleware, current_request_id, r
 from mlplat.observability.serving import RequestTimer, rejection_reason
 from mlplat.serve.async_engine import DeadlineExceededError, EngineDeadError
 from mlplat.serve.auth import Denied, Gatekeeper
+from mlplat.serve.config import RequestLimits
 from mlplat.serve.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body, generation_defaults, new_id, now
 from mlplat.serve.tool_parsers import get_parser
 
@@ -122,6 +126,44 @@ def _causes(err: BaseException) -> list[BaseException]:
     return chain
 
 
+def completion_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """A completions text prompt's token ids, with the tokenizer's default special tokens (BOS for Llama-family
+    tokenizers), as vLLM tokenizes them; chat prompts are rendered by a template that writes its own."""
+    return tokenizer.encode(prompt)
+
+
+class ToolCallHoldback:
+    """The streamed content of a chat answer with active tools: text passes as it comes while no tool-call start marker
+    can be forming in it; a possible prefix of the marker waits for the next text, and from a whole marker on everything
+    waits for the end, where the answer is parsed (``rest``)."""
+
+    def __init__(self, marker: str):
+        self.marker, self.pending, self.sent, self.seen = marker, "", "", False
+
+    def push(self, text: str) -> str:
+        self.pending += text
+        if self.seen:
+            return ""
+        at = self.pending.find(self.marker)
+        if at >= 0:
+            self.seen = True
+            out = self.pending[:at]
+        else:
+            longest = min(len(self.marker) - 1, len(self.pending))
+            keep = next((k for k in range(longest, 0, -1) if self.pending.endswith(self.marker[:k])), 0)
+            out = self.pending[: len(self.pending) - keep]
+        self.pending = self.pending[len(out) :]
+        self.sent += out
+        return out
+
+    def rest(self, content: str) -> str:
+        """At the end: what of the parsed answer's ``content`` (the text around its calls) was not sent yet."""
+        if content.startswith(self.sent):
+            return content[len(self.sent) :]
+        sent = self.sent.strip()  # the parser strips the content around calls
+        return content[len(sent) :] if content.startswith(sent) else ""
+
+
 class Detokenizer:
     """Incremental text for one choice: holds back what a stop string or a partial
     UTF-8 character could still change."""
@@ -145,14 +187,192 @@ class Detokenizer:
         return new
 
 
+async def _chain(head: list[dict], rest: AsyncIterator[dict], timer: RequestTimer) -> AsyncIterator[dict]:
+    """The deltas already read (and timed), then the rest, timed as they come; closing it closes ``rest`` (a client that
+    went away aborts the request in the engine at once)."""
+    try:
+        for d in head:
+            yield d
+        async for d in rest:
+            timer.on_delta(d["index"], len(d["token_ids"]))
+            yield d
+    finally:
+        await rest.aclose()
+
+
+def _wire(model: type[BaseModel], data: dict, loose: bool = False) -> dict:
+    """``data`` as the ``openai`` package's own ``model`` validates and serializes it (fields left out stay out, so the
+    wire format is what OpenAI sends). ``loose``: built as the openai client builds what it receives (``construct``, no
+    validation), for the nulls OpenAI's API sends where the package's types have no room for them: a streamed completion
+    chunk's ``finish_reason``, the first prompt token's log-prob under echo."""
+    obj = model.construct(**data) if loose else model.model_validate(data)
+    return obj.model_dump(mode="json", exclude_unset=True, warnings=False)
+
+
+def _clamp(logprob: float) -> float:
+    return max(logprob, -9999.0)  # -inf is not JSON; vLLM and OpenAI send -9999.0
+
+
+class _Output:
+    """One request's choices as the OpenAI API writes them, built from the engine's deltas: the whole response
+    (``add`` then ``response``), or SSE chunks (``opening``, ``chunks`` per delta, ``usage_chunk``). Built with the
+    ``openai`` package's types: ``ChatCompletion``, ``ChatCompletionChunk``, ``Completion``, ``CompletionUsage``."""
+
+    def __init__(self, ingress: "OpenAIIngress", body, chat: bool, params, request_id: str, prompts: list[list[int]], echoes: list[str]):
+        self.ingress, self.tokenizer, self.body, self.chat, self.params = ingress, ingress.tokenizer, body, chat, params
+        self.request_id, self.prompts, self.echoes, self.n = request_id, prompts, echoes, params.n
+        self.num_choices = params.n * len(prompts)
+        self.top = body.top_logprobs_asked()
+        self.tools = chat and body.tools_active()
+        self.base = {"id": request_id, "created": now(), "model": ingress.model_name,
+                     "object": "chat.completion.chunk" if (chat and body.stream) else "chat.completion" if chat else "text_completion"}
+        self.prompt_logprobs: dict[int, list] = {}  # prompt index -> [(log-prob, [(id, log-prob)])] of its tokens
+        self.want_prompt_logprobs = params.prompt_logprobs is not None
+        # whole responses
+        self.tokens = {i: [] for i in range(self.num_choices)}
+        self.logprobs = {i: [] for i in range(self.num_choices)}
+        self.tops = {i: [] for i in range(self.num_choices)}
+        self.final: dict[int, dict] = {}
+        # streams
+        self.detok = {i: Detokenizer(self.tokenizer, params.stop) for i in range(self.num_choices)}
+        self.holdback = {i: ToolCallHoldback(ingress.tool_parser.START) for i in range(self.num_choices)} if self.tools else {}
+        self.offsets = {i: 0 for i in range(self.num_choices)}  # completions' text_offset, per choice
+
+    # -- both -----------------------------------------------------------------------------------
+    def has_prompt_logprobs(self, deltas: list[dict]) -> bool:
+        for d in deltas:
+            if d.get("prompt_logprobs") is not None:
+                self.prompt_logprobs[d["index"] // self.n] = d["prompt_logprobs"]
+        return not self.want_prompt_logprobs or len(self.prompt_logprobs) == len(self.prompts)
+
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[float], tops: list | None) -> dict:
+        def entry(token_id: int, logprob: float) -> dict:
+            piece = self.tokenizer.decode([token_id])
+            return {"token": piece, "logprob": _clamp(logprob), "bytes": list(piece.encode())}
+
+        return {"content": [entry(t, lp) | {"top_logprobs": [entry(a, alp) for a, alp in (tops[k] if tops else [])[: self.top]]}
+                            for k, (t, lp) in enumerate(zip(token_ids, logprobs))]}  # fmt: skip
+
+    def _completion_logprobs(self, index: int, token_ids: list[int], logprobs: list, tops: list | None) -> dict:
+        """OpenAI's legacy form: each token's text, log-prob, text offset, and a {text: log-prob} of the chosen token and the
+        ``logprobs`` likeliest (up to logprobs + 1 entries, as vLLM)."""
+        pieces = [self.tokenizer.decode([t]) for t in token_ids]
+        offsets = []
+        for p in pieces:
+            offsets.append(self.offsets[index])
+            self.offsets[index] += len(p)
+        top_logprobs = []
+        for k, (t, piece, lp) in enumerate(zip(token_ids, pieces, logprobs)):
+            if lp is None:  # the first prompt token: nothing before it to condition on
+                top_logprobs.append(None)
+                continue
+            alternatives = {piece: _clamp(lp)}
+            for a, alp in (tops[k] if tops else None) or []:
+                if len(alternatives) > self.top:
+                    break
+                alternatives.setdefault(self.tokenizer.decode([a]), _clamp(alp))
+            top_logprobs.append(alternatives)
+        token_logprobs = [None if lp is None else _clamp(lp) for lp in logprobs]
+        return {"tokens": pieces, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+    def _echo_logprobs(self, index: int) -> dict:
+        """The prompt's tokens' log-probs (echo + logprobs), the first one None, as vLLM."""
+        prompt = self.prompts[index // self.n]
+        entries = self.prompt_logprobs.get(index // self.n) or [(None, None)] * len(prompt)
+        return self._completion_logprobs(index, prompt, [lp for lp, _ in entries], [alt for _, alt in entries])
+
+    # -- whole responses --------------------------------------------------------------------------
+    def add(self, d: dict) -> None:
+        i = d["index"]
+        self.tokens[i] += d["token_ids"]
+        self.logprobs[i] += d["logprobs"]
+        self.tops[i] += d.get("top_logprobs") or []
+        if d["finish_reason"] is not None:
+            self.final[i] = d
+
+    def response(self, prompt_tokens: int) -> dict:
+        choices = []
+        for i in range(self.num_choices):
+            text, reason = self.final[i]["text"], self.final[i]["finish_reason"]
+            if self.chat:
+                lp = self._chat_logprobs(self.tokens[i], self.logprobs[i], self.tops[i]) if self.params.logprobs else None
+                content, calls = self.ingress._tool_calls(self.body, text)
+                message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
+                choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": "tool_calls" if calls else reason})
+                continue
+            lp = None
+            if self.params.logprobs:
+                prompt = self._echo_logprobs(i) if self.want_prompt_logprobs else None
+                lp = self._completion_logprobs(i, self.tokens[i], self.logprobs[i], self.tops[i] if self.top else None)
+                if prompt is not None:
+                    lp = {key: prompt[key] + lp[key] for key in lp}
+            choices.append({"index": i, "text": self.echoes[i // self.n] + text, "logprobs": lp, "finish_reason": reason})
+        completion_tokens = sum(len(t) for t in self.tokens.values())
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+        data = {**self.base, "choices": choices, "usage": usage}
+        return _wire(ChatCompletion, data) if self.chat else _wire(Completion, data, loose=self.want_prompt_logprobs)
+
+    # -- streams ------------------------------------------------------------------------------------
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
+        data = {**self.base, "choices": choices} | ({"usage": usage} if usage is not None else {})
+        return _wire(ChatCompletionChunk, data) if self.chat else _wire(Completion, data, loose=True)
+
+    def opening(self) -> list[dict]:
+        """Chat: each choice's role; completions with echo: each choice's prompt text (with its log-probs under logprobs)."""
+        if self.chat:
+            return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+                    for i in range(self.num_choices)]  # fmt: skip
+        events = []
+        for i in range(self.num_choices):
+            if self.echoes[i // self.n]:
+                lp = self._echo_logprobs(i) if self.want_prompt_logprobs else None
+                events.append(self._chunk([{"index": i, "text": self.echoes[i // self.n], "logprobs": lp, "finish_reason": None}]))
+        return events
+
+    def chunks(self, d: dict) -> list[dict]:
+        """The SSE events of one engine delta: its text (held back where a stop string or a tool call may be forming),
+        with its tokens' log-probs where asked; on the choice's last delta, any tool calls and the finish reason."""
+        i, reason = d["index"], d["finish_reason"]
+        text = self.detok[i].push(d["token_ids"]) if reason is None else self.detok[i].finish(d["text"])
+        lp = None
+        if self.params.logprobs and d["token_ids"]:
+            tops = d.get("top_logprobs") if self.top else None
+            lp = (self._chat_logprobs if self.chat else partial(self._completion_logprobs, i))(d["token_ids"], d["logprobs"], tops)
+        if not self.chat:
+            if not (text or reason or lp):
+                return []
+            return [self._chunk([{"index": i, "text": text, "logprobs": lp, "finish_reason": reason}])]
+        events, calls = [], []
+        if self.tools:
+            text = self.holdback[i].push(text)
+            if reason is not None:  # the whole answer: the calls, and the content not yet sent
+                content, calls = self.ingress._tool_calls(self.body, d["text"])
+                text += self.holdback[i].rest(content or "")
+        if text or lp:
+            events.append(self._chunk([{"index": i, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": None}]))
+        for k, c in enumerate(calls):
+            head = {"index": k, "id": c["id"], "type": "function", "function": {"name": c["function"]["name"], "arguments": ""}}
+            events.append(self._chunk([{"index": i, "delta": {"tool_calls": [head]}, "finish_reason": None}]))
+            args = {"index": k, "function": {"arguments": c["function"]["arguments"]}}
+            events.append(self._chunk([{"index": i, "delta": {"tool_calls": [args]}, "finish_reason": None}]))
+        if reason is not None:
+            events.append(self._chunk([{"index": i, "delta": {}, "finish_reason": "tool_calls" if calls else reason}]))
+        return events
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+        return self._chunk([], usage)
+
+
 @serve.deployment  # limits and health checks: serve_apps.llm.build_app, from mlplat.serve.admission
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(self, model_dir: str, model_name: str, mode: str, default_max_tokens: int | None, max_model_len: int, vocab_size: int,
                  request_timeout_s: float, max_sequences_in_flight: int, gate: Gatekeeper, llm=None, prefill=None, decode=None,
-                 tool_call_parser: str = "hermes"):  # fmt: skip
+                 tool_call_parser: str = "hermes", limits: RequestLimits | None = None):  # fmt: skip
         self.tokenizer = load_tokenizer(model_dir)
         self.tool_parser = get_parser(tool_call_parser)
+        self.limits = limits or RequestLimits()
         self.generation_defaults = generation_defaults(model_dir)
         self.model_name, self.mode = model_name, mode
         self.default_max_tokens, self.max_model_len, self.vocab_size = default_max_tokens, max_model_len, vocab_size
@@ -183,24 +403,12 @@ class OpenAIIngress:
     async def completions(self, body: CompletionRequest, request: Request):
         self._authorize(request)
         self._check_model(body.model)
+        self._check_limits(body)
         prompts = body.prompts()
         many = len(prompts) > 1 or prompts[0] is not body.prompt
         ids = [self._prompt_ids(p, f"prompt.{i}." if many else "prompt.") for i, p in enumerate(prompts)]
-        if not many:
-            return await self._respond(body, ids[0], chat=False, logprobs=body.logprobs is not None, request=request,
-                                       echo=self._echo(body, prompts[0], ids[0]))  # fmt: skip
-        if body.stream:
-            raise APIError(400, "prompt: a list of prompts is served without stream only; send one request per prompt to stream", "prompt")
-        # Every prompt's samples in one response, choice i * n + j being prompt i's sample j (as OpenAI and vLLM).
-        logprobs = body.logprobs is not None
-        parts = await asyncio.gather(*(self._respond(body, i, chat=False, logprobs=logprobs, request=request, echo=self._echo(body, p, i))
-                                       for p, i in zip(prompts, ids)), return_exceptions=True)  # fmt: skip
-        failed = next((p for p in parts if isinstance(p, BaseException)), None)
-        if failed is not None:
-            raise failed
-        usage = {key: sum(p["usage"][key] for p in parts) for key in parts[0]["usage"]}
-        choices = [{**c, "index": i * body.n + c["index"]} for i, p in enumerate(parts) for c in p["choices"]]
-        return {**parts[0], "choices": choices, "usage": usage}
+        # One response (or stream) for every prompt's samples: choice i * n + j is prompt i's sample j (as OpenAI and vLLM).
+        return await self._respond(body, ids, chat=False, request=request, echoes=[self._echo(body, p, i) for p, i in zip(prompts, ids)])
 
     def _echo(self, body: CompletionRequest, prompt: str | list[int], ids: list[int]) -> str:
         """What ``echo`` puts before the completion: the prompt's text ("" without echo)."""
@@ -209,7 +417,7 @@ class OpenAIIngress:
     def _prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
         """A completions prompt as token ids; ids outside the vocabulary are a 400 naming the position."""
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            return completion_prompt_ids(self.tokenizer, prompt)
         bad = next((i for i, t in enumerate(prompt) if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"{param}{bad}: token id {prompt[bad]} is outside the model's vocabulary [0, {self.vocab_size})",
@@ -220,10 +428,11 @@ class OpenAIIngress:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self._authorize(request)
         self._check_model(body.model)
+        self._check_limits(body)
         tools = body.template_tools()  # in the prompt through the chat template's tools section
         text = self.tokenizer.apply_chat_template(body.template_messages(), tools=tools, tokenize=False, add_generation_prompt=True)
-        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return await self._respond(body, prompt_ids, chat=True, logprobs=body.logprobs, request=request)
+        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
+        return await self._respond(body, [prompt_ids], chat=True, request=request)
 
     def _tool_calls(self, body, text: str) -> tuple[str | None, list[dict]]:
         """(content, tool calls) of a chat answer: calls parsed out where the request has active tools."""
@@ -231,6 +440,12 @@ class OpenAIIngress:
             return text, []
         content, calls = self.tool_parser.parse(text, {t.function.name for t in body.tools})
         return content, [c.as_openai() for c in calls]
+
+    def _check_limits(self, body) -> None:
+        """The serve config's per-request limits (RequestLimits): a 400 naming the field and the limit."""
+        over = body.over_limit(self.limits)
+        if over is not None:
+            raise APIError(400, over[1], over[0], "limit_exceeded")
 
     # -- helpers --------------------------------------------------------------------------------
     def _authorize(self, request: Request) -> str:
@@ -245,12 +460,18 @@ class OpenAIIngress:
         if model != self.model_name:
             raise APIError(404, f"model {model!r} is not served here; available: [{self.model_name!r}]", "model", "model_not_found")
 
-    async def _respond(self, body, prompt_ids: list[int], chat: bool, logprobs: bool, request: Request, echo: str = ""):
+    async def _respond(self, body, prompts: list[list[int]], chat: bool, request: Request, echoes: list[str] | None = None):
+        """One response (or SSE stream) for every prompt's ``n`` samples: choice i * n + j is prompt i's sample j."""
+        echoes = echoes or [""] * len(prompts)
+        top = body.top_logprobs_asked()
+        logprobs = body.logprobs if chat else body.logprobs is not None
+        # echo + logprobs: the prompt's tokens' log-probs too, computed by the engine during the prefill
+        prompt_logprobs = top if not chat and body.echo and logprobs else None
         try:
             # The config's, else the checkpoint's, else OpenAI's: a chat answer may fill the context, a completion is 16 tokens.
             default_max_tokens = (self.default_max_tokens or self.generation_defaults.get("max_tokens")
-                                  or (max(1, self.max_model_len - len(prompt_ids)) if chat else 16))  # fmt: skip
-            params = body.sampling_params(default_max_tokens, logprobs, self.generation_defaults)
+                                  or (max(1, self.max_model_len - len(prompts[0])) if chat else 16))  # fmt: skip
+            params = body.sampling_params(default_max_tokens, logprobs, self.generation_defaults, top, prompt_logprobs)
         except ValidationError as err:  # fields valid alone, not together (e.g. min_tokens > max_tokens)
             first = err.errors()[0]
             param = ".".join(str(p) for p in first["loc"]) or None
@@ -260,37 +481,51 @@ class OpenAIIngress:
             param = "logit_bias" if bad in params.logit_bias else "stop_token_ids"
             message = f"{param}: token id {bad} is outside the model's vocabulary [0, {self.vocab_size})"
             raise APIError(400, message, param, "invalid_token_id")
-        if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            param = "max_tokens" if len(prompt_ids) < self.max_model_len else ("messages" if chat else "prompt")
-            raise APIError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                                f"model's context of {self.max_model_len} tokens", param, "context_length_exceeded")
-        if self.sequences_in_flight + params.n > self.max_sequences_in_flight:
+        for prompt_ids in prompts:
+            if len(prompt_ids) + params.max_tokens > self.max_model_len:
+                param = "max_tokens" if len(prompt_ids) < self.max_model_len else ("messages" if chat else "prompt")
+                raise APIError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                                    f"model's context of {self.max_model_len} tokens", param, "context_length_exceeded")
+        sequences = params.n * len(prompts)
+        if sequences > self.max_sequences_in_flight:  # more than the engines behind this ingress hold: retrying cannot help
+            param = "prompt" if len(prompts) > 1 and params.n == 1 else "n"
+            raise APIError(400, f"{param}: {sequences} sequences (n x prompts) are more than this server runs at once "
+                                f"({self.max_sequences_in_flight}); send fewer", param, "limit_exceeded")  # fmt: skip
+        if self.sequences_in_flight + sequences > self.max_sequences_in_flight:
             raise APIError(503, f"server overloaded: {self.sequences_in_flight} sequences in flight on this ingress "
                                 f"(limit {self.max_sequences_in_flight}); retry shortly", code="overloaded",
                            headers={"Retry-After": "1"}, reason="overloaded")  # fmt: skip
-        self.sequences_in_flight += params.n
+        self.sequences_in_flight += sequences
         streaming = False
         try:
             request_id = new_id("chatcmpl" if chat else "cmpl")
-            log.info("request %s: %s, %d prompt tokens", request_id, "chat" if chat else "completion", len(prompt_ids))
+            prompt_tokens = sum(map(len, prompts))
+            kind = "chat" if chat else "completion"
+            log.info("request %s: %s, %d prompt(s), %d prompt tokens", request_id, kind, len(prompts), prompt_tokens)
             timer = RequestTimer(self.model_name, getattr(request.state, "started", None))
             waited = time.perf_counter() - getattr(request.state, "started", time.perf_counter())  # since arrival
             deadline = time.time() - waited + self.request_timeout_s  # wall clock: the engine replicas check it too
-            deltas = self._until(self._generate(prompt_ids, params, request_id, deadline), deadline)
+            deltas = self._until(self._generate(prompts, params, request_id, deadline), deadline)
+            out = _Output(self, body, chat, params, request_id, prompts, echoes)
             try:
                 first = await anext(deltas)  # errors (overload, bad request) surface before any byte is sent
+                head = [first]
+                while not out.has_prompt_logprobs(head):  # echo + logprobs: each prompt's, which come with its sample 0
+                    head.append(await anext(deltas))
             except Exception as err:  # noqa: BLE001
                 raise self._as_api_error(err) from None
-            timer.on_delta(first["index"], len(first["token_ids"]))
+            for d in head:
+                timer.on_delta(d["index"], len(d["token_ids"]))
+            deltas = _chain(head, deltas, timer)
             if body.stream:
                 include_usage = body.stream_options is not None and body.stream_options.include_usage
-                sse = self._sse(first, deltas, params, request_id, chat, timer, len(prompt_ids), include_usage, echo, body)
+                sse = self._sse(out, deltas, timer, prompt_tokens, include_usage)
                 streaming = True  # the stream gives the sequences back when it ends
-                return StreamingResponse(self._releasing(sse, params.n), media_type="text/event-stream")
-            return await self._collect(first, deltas, params, prompt_ids, request_id, chat, timer, echo, body)
+                return StreamingResponse(self._releasing(sse, sequences), media_type="text/event-stream")
+            return await self._collect(out, deltas, timer, prompt_tokens)
         finally:
             if not streaming:
-                self.sequences_in_flight -= params.n
+                self.sequences_in_flight -= sequences
 
     async def _releasing(self, events: AsyncIterator[str], n: int) -> AsyncIterator[str]:
         try:
@@ -330,27 +565,42 @@ class OpenAIIngress:
         log.error("request failed: %r", err)
         return APIError(500, f"internal error: {type(_causes(err)[-1]).__name__}")
 
-    async def _generate(self, prompt_ids: list[int], params, request_id: str, deadline: float) -> AsyncIterator[dict]:
-        if params.n == 1 or self.mode == "colocated":
-            async for d in self._one(prompt_ids, params, request_id, deadline):
+    def _pipelines(self, prompts: list[list[int]], params, request_id: str, deadline: float) -> list[tuple[int, AsyncIterator[dict]]]:
+        """(first choice index, delta stream) per engine request: one per prompt with its n samples; in PD mode with
+        n > 1 one prefill->decode pipeline per sample (the prefill replica's prefix cache makes the repeats cheap)."""
+        pipes = []
+        for i, prompt_ids in enumerate(prompts):
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            if params.n == 1 or self.mode == "colocated":
+                pipes.append((i * params.n, self._one(prompt_ids, params, rid, deadline)))
+                continue
+            for j in range(params.n):
+                update = {"n": 1, "seed": None if params.seed is None else params.seed + j}
+                if j:
+                    update["prompt_logprobs"] = None  # the prompt's log-probs once, from sample 0's prefill
+                pipes.append((i * params.n + j, self._one(prompt_ids, params.model_copy(update=update), f"{rid}-{j}", deadline)))
+        return pipes
+
+    async def _generate(self, prompts: list[list[int]], params, request_id: str, deadline: float) -> AsyncIterator[dict]:
+        """Every choice's deltas, merged into one stream with the request's choice indices."""
+        pipes = self._pipelines(prompts, params, request_id, deadline)
+        if len(pipes) == 1:
+            async for d in pipes[0][1]:
                 yield d
             return
-        # PD with n > 1: n independent prefill->decode pipelines (the prefill replica's prefix
-        # cache makes the repeats cheap), merged into one stream with choice indices.
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(i: int):
-            seed = None if params.seed is None else params.seed + i
+        async def pump(offset: int, stream: AsyncIterator[dict]):
             try:
-                async for d in self._one(prompt_ids, params.model_copy(update={"n": 1, "seed": seed}), f"{request_id}-{i}", deadline):
-                    await queue.put({**d, "index": i})
+                async for d in stream:
+                    await queue.put({**d, "index": offset + d["index"]})
             except Exception as err:  # noqa: BLE001
                 await queue.put(err)
 
-        tasks = [asyncio.create_task(pump(i)) for i in range(params.n)]
+        tasks = [asyncio.create_task(pump(offset, stream)) for offset, stream in pipes]
         try:
             done = 0
-            while done < params.n:
+            while done < params.n * len(prompts):
                 item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
@@ -370,118 +620,31 @@ class OpenAIIngress:
         async for d in stream:
             yield d
 
-    async def _sse(self, first, deltas, params, request_id: str, chat: bool, timer: RequestTimer, prompt_tokens: int,
-                   include_usage: bool = False, echo: str = "", body=None):  # fmt: skip
-        detok = {i: Detokenizer(self.tokenizer, params.stop) for i in range(params.n)}
-        # With active tools the answer is held back until it ends, then sent as tool-call deltas or as content.
-        tools = chat and isinstance(body, ChatCompletionRequest) and body.tools_active()
-        base = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": now(), "model": self.model_name}
-        if chat:
-            for i in range(params.n):
-                yield sse_event({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
-        elif echo:
-            for i in range(params.n):
-                yield sse_event({**base, "choices": [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}]})
+    async def _sse(self, out: "_Output", deltas, timer: RequestTimer, prompt_tokens: int, include_usage: bool = False):
         completion_tokens = 0
         try:
-            d = first
-            while True:
+            for event in out.opening():
+                yield sse_event(event)
+            async for d in deltas:
                 completion_tokens += len(d["token_ids"])
-                if tools:
-                    if d["finish_reason"] is None:
-                        d = await anext(deltas, None)
-                        if d is None:
-                            break
-                        timer.on_delta(d["index"], len(d["token_ids"]))
-                        continue
-                    for chunk in self._tool_chunks(body, d, base):
-                        yield chunk
-                    d = await anext(deltas, None)
-                    if d is None:
-                        break
-                    timer.on_delta(d["index"], len(d["token_ids"]))
-                    continue
-                text = detok[d["index"]].push(d["token_ids"]) if d["finish_reason"] is None else detok[d["index"]].finish(d["text"])
-                if text or d["finish_reason"]:
-                    choice = {"index": d["index"], "finish_reason": d["finish_reason"]}
-                    choice.update({"delta": {"content": text} if text else {}} if chat else {"text": text, "logprobs": None})
-                    yield sse_event({**base, "choices": [choice]})
-                d = await anext(deltas, None)
-                if d is None:
-                    break
-                timer.on_delta(d["index"], len(d["token_ids"]))
+                for event in out.chunks(d):
+                    yield sse_event(event)
             timer.finish(prompt_tokens)
             if include_usage:
-                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
-                yield sse_event({**base, "choices": [], "usage": usage | {"total_tokens": prompt_tokens + completion_tokens}})
+                yield sse_event(out.usage_chunk(prompt_tokens, completion_tokens))
         except Exception as err:  # noqa: BLE001  (mid-stream: report in-band, then end the stream)
             e = self._as_api_error(err)
             metrics.SERVE_REJECTIONS.inc(model=self.model_name, reason=e.reason)
-            log.warning("request %s failed mid-stream: %s", request_id, e.message)
+            log.warning("request %s failed mid-stream: %s", out.request_id, e.message)
             type_ = "invalid_request_error" if e.status < 500 else "server_error"
             yield sse_event({"error": {**error_body(e.message, e.param, e.code, type_)["error"], "request_id": current_request_id()}})
         yield "data: [DONE]\n\n"
 
-    def _tool_chunks(self, body, d: dict, base: dict) -> list[str]:
-        """The SSE events of one finished choice of a tools request: its content, each call (id and name, then the
-        arguments), then the finish reason (tool_calls where it called any)."""
-        content, calls = self._tool_calls(body, d["text"])
-        i, events = d["index"], []
-        if content:
-            events.append(sse_event({**base, "choices": [{"index": i, "delta": {"content": content}, "finish_reason": None}]}))
-        for k, c in enumerate(calls):
-            head = {"index": k, "id": c["id"], "type": "function", "function": {"name": c["function"]["name"], "arguments": ""}}
-            events.append(sse_event({**base, "choices": [{"index": i, "delta": {"tool_calls": [head]}, "finish_reason": None}]}))
-            args = {"index": k, "function": {"arguments": c["function"]["arguments"]}}
-            events.append(sse_event({**base, "choices": [{"index": i, "delta": {"tool_calls": [args]}, "finish_reason": None}]}))
-        reason = "tool_calls" if calls else d["finish_reason"]
-        events.append(sse_event({**base, "choices": [{"index": i, "delta": {}, "finish_reason": reason}]}))
-        return events
-
-    async def _collect(self, first, deltas, params, prompt_ids, request_id: str, chat: bool, timer: RequestTimer, echo: str = "",
-                       body=None):  # fmt: skip
-        tokens = {i: [] for i in range(params.n)}
-        logprobs = {i: [] for i in range(params.n)}
-        final = {}
-        d = first
+    async def _collect(self, out: "_Output", deltas, timer: RequestTimer, prompt_tokens: int) -> dict:
         try:
-            while d is not None:
-                tokens[d["index"]] += d["token_ids"]
-                logprobs[d["index"]] += d["logprobs"]
-                if d["finish_reason"] is not None:
-                    final[d["index"]] = d
-                d = await anext(deltas, None)
-                if d is not None:
-                    timer.on_delta(d["index"], len(d["token_ids"]))
+            async for d in deltas:
+                out.add(d)
         except Exception as err:  # noqa: BLE001
             raise self._as_api_error(err) from None
-        timer.finish(len(prompt_ids))
-        choices = []
-        for i in range(params.n):
-            text, reason = final[i]["text"], final[i]["finish_reason"]
-            lp = self._logprobs(tokens[i], logprobs[i], chat) if params.logprobs else None
-            if chat:
-                content, calls = self._tool_calls(body, text)
-                message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
-                choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": "tool_calls" if calls else reason})
-            else:
-                choices.append({"index": i, "text": echo + text, "logprobs": lp, "finish_reason": reason})
-        completion_tokens = sum(len(t) for t in tokens.values())
-        return {
-            "id": request_id,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": now(),
-            "model": self.model_name,
-            "choices": choices,
-            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens, "total_tokens": len(prompt_ids) + completion_tokens},
-        }
-
-    def _logprobs(self, token_ids: list[int], logprobs: list[float], chat: bool) -> dict:
-        pieces = [self.tokenizer.decode([t]) for t in token_ids]
-        if chat:
-            return {"content": [{"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []} for p, lp in zip(pieces, logprobs)]}
-        offsets, pos = [], 0
-        for p in pieces:
-            offsets.append(pos)
-            pos += len(p)
-        return {"tokens": pieces, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets}
+        timer.finish(prompt_tokens)
+        return out.response(prompt_tokens)

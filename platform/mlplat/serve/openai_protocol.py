@@ -9,15 +9,12 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from mlplat.engine import SamplingParams
 from mlplat.engine.structured import StructuredOutputs
+from mlplat.serve.config import RequestLimits
 
-MAX_N = 8
-MAX_STOP = 4  # stop strings per request (OpenAI's limit)
-MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
-MAX_PROMPTS = 64  # prompts in one completions request
-MAX_TOOLS = 64  # tools in one chat request (the engine's structured_outputs limits bound each schema's size)
 # vLLM's old structured-output fields, which current vLLM dropped for structured_outputs: refused with a 400 naming it
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern")
 
@@ -113,7 +110,7 @@ class JSONSchemaFormat(BaseModel):
     name: str = "response"
     description: str | None = None
     schema_: dict = Field(default_factory=dict, alias="schema")
-    strict: bool | None = None  # the schema is always enforced, strict or not
+    strict: bool | None = None  # the schema is enforced either way, as vLLM does (docs/serving.md)
 
 
 class ResponseFormat(BaseModel):
@@ -138,7 +135,7 @@ class FunctionDefinition(BaseModel):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict = Field(default_factory=lambda: {"type": "object", "properties": {}})
-    strict: bool | None = None
+    strict: bool | None = None  # no effect: a forced call's arguments always follow the schema; auto is parsed as written
 
 
 class Tool(BaseModel):
@@ -171,14 +168,14 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=MAX_N)
-    seed: int | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    n: int = Field(1, ge=1)  # at most limits.max_n (the serve config's RequestLimits), as the other per-request limits
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # a 64-bit seed, as vLLM's
+    stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: Annotated[dict[int, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None  # token id (a string in JSON) -> bias
+    logit_bias: dict[int, float] | None = None  # token id (a string in JSON) -> bias
     # vLLM's extra sampling fields (the openai client's extra_body)
     top_k: int = Field(-1, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
@@ -189,12 +186,13 @@ class _Common(BaseModel):
     # structured outputs (engine.structured): OpenAI's response_format, or vLLM's structured_outputs
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
-    guided_json: Any = None  # GUIDED: refused
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    guided_decoding_backend: Any = None
-    guided_whitespace_pattern: Any = None
+    # GUIDED: refused with a 400 naming structured_outputs; left out of the OpenAPI schema, which lists what is served
+    guided_json: SkipJsonSchema[Any] = None
+    guided_regex: SkipJsonSchema[Any] = None
+    guided_choice: SkipJsonSchema[Any] = None
+    guided_grammar: SkipJsonSchema[Any] = None
+    guided_decoding_backend: SkipJsonSchema[Any] = None
+    guided_whitespace_pattern: SkipJsonSchema[Any] = None
     # accepted, no effect on the output (NO_EFFECT)
     user: Any = None
     metadata: Any = None
@@ -230,7 +228,26 @@ class _Common(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def sampling_params(self, default_max_tokens: int, logprobs: bool, defaults: dict | None = None) -> SamplingParams:
+    def top_logprobs_asked(self) -> int:
+        """Top alternatives per generated token (chat top_logprobs, completions logprobs); 0: none."""
+        return 0
+
+    def over_limit(self, limits: RequestLimits) -> tuple[str, str] | None:
+        """(field, message) for the first per-request limit of the serve config that this request exceeds; None if within."""
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        checks = [("n", self.n, limits.max_n, "max_n"), ("stop", len(stops), limits.max_stop, "max_stop"),
+                  ("logit_bias", len(self.logit_bias or {}), limits.max_logit_bias, "max_logit_bias"),
+                  *self._more_limits(limits)]  # fmt: skip
+        for field, value, limit, key in checks:
+            if value > limit:
+                return field, f"{field}: {value} is over this server's limit of {limit} (serve config limits.{key})"
+        return None
+
+    def _more_limits(self, limits: RequestLimits) -> list[tuple[str, int, int, str]]:
+        return []
+
+    def sampling_params(self, default_max_tokens: int, logprobs: bool, defaults: dict | None = None, top_logprobs: int = 0,
+                        prompt_logprobs: int | None = None) -> SamplingParams:  # fmt: skip
         """The engine's parameters: the request's fields, and for those it leaves unset ``defaults`` (the
         checkpoint's generation_config.json: ``generation_defaults``), else the fields' own defaults."""
         given = {name: getattr(self, name) for name in self.model_fields_set}
@@ -250,6 +267,8 @@ class _Common(BaseModel):
             stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            prompt_logprobs=prompt_logprobs,
             structured=self.structured(),
             # only what differs from the engine's defaults, so requests that use none of them build plain params
             **{k: v for k, v in controls.items() if v != SamplingParams.model_fields[k].default},
@@ -262,17 +281,18 @@ Prompt = Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_le
 class CompletionRequest(_Common):
     # one prompt, or several (OpenAI's batch form: choice i * n + j is prompt i's sample j)
     prompt: Prompt | Annotated[list[Annotated[str, Field(min_length=1)]] | list[Annotated[list[int], Field(min_length=1)]],
-                               Field(min_length=1, max_length=MAX_PROMPTS)]  # fmt: skip
-    logprobs: int | None = Field(None, ge=0, le=0)  # 0: the chosen tokens' log-probs; top alternatives are not returned
+                               Field(min_length=1)]  # at most limits.max_prompts  # fmt: skip
+    # the chosen tokens' log-probs and this many top alternatives (at most limits.max_top_logprobs); with echo the
+    # prompt's tokens' too
+    logprobs: int | None = Field(None, ge=0)
     echo: bool = False  # the prompt's text before the completion
 
-    @field_validator("echo")
-    @classmethod
-    def _echo_without_logprobs(cls, value, info):
-        if value and info.data.get("logprobs") is not None:  # OpenAI's echo + logprobs scores the prompt too
-            raise ValueError("with logprobs it would need the prompt's log-probs, which this server does not return yet")
-        return value
+    def top_logprobs_asked(self) -> int:
+        return self.logprobs or 0
 
+    def _more_limits(self, limits: RequestLimits) -> list[tuple[str, int, int, str]]:
+        return [("logprobs", self.logprobs or 0, limits.max_top_logprobs, "max_top_logprobs"),
+                ("prompt", len(self.prompts()), limits.max_prompts, "max_prompts")]  # fmt: skip
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one, or each of a list."""
@@ -284,10 +304,23 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=0)  # top alternatives are not returned; 0 or unset
-    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    top_logprobs: int | None = Field(None, ge=0)  # top alternatives per token, with logprobs (at most limits.max_top_logprobs)
+    tools: Annotated[list[Tool], Field(min_length=1)] | None = None  # at most limits.max_tools
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools, else none
     parallel_tool_calls: bool | None = None  # auto may return several calls; required and a named function force one
+
+    def top_logprobs_asked(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else 0
+
+    def _more_limits(self, limits: RequestLimits) -> list[tuple[str, int, int, str]]:
+        return [("top_logprobs", self.top_logprobs or 0, limits.max_top_logprobs, "max_top_logprobs"),
+                ("tools", len(self.tools or []), limits.max_tools, "max_tools")]  # fmt: skip
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs and not self.logprobs:  # as OpenAI and vLLM
+            raise ValueError("top_logprobs: needs logprobs: true")
+        return self
 
     @model_validator(mode="after")
     def _tool_choice(self):
