@@ -5,10 +5,8 @@ RayService deploys serveConfigV2) and a submitted job's record must outlive the 
 killed, and restarted with its own command line within Ray's reconnect timeout (on Kubernetes the
 head pod's restart does this; a local Ray does not restart it by itself).
 
-The app has the LLM app's shape (an HTTP ingress calling a model deployment through a handle) but
-not its weight: serve_apps.llm on the tiny model took ~55 s to deploy on a busy 2-core machine
-(three processes importing torch and transformers), past this test's budget; what GCS fault
-tolerance keeps (replicas, proxies, handles, the controller's checkpoint) is the same for both.
+The app is the serving app (serve_apps.llm, colocated: the OpenAI ingress and one engine replica) on
+the session's tiny model; its greedy answer must stay the same through the outage.
 
 Everything here is its own: Redis and the head on free ports (Serve's HTTP port included), their
 own temp dirs, HOME and process groups; both are stopped, whatever happens, by signalling those
@@ -38,28 +36,9 @@ REDIS, REDIS_CLI = shutil.which("redis-server"), shutil.which("redis-cli")  # De
 RAY = str(Path(sys.executable).with_name("ray"))
 START_TIMEOUT_S = 120
 RECONNECT_TIMEOUT_S = 60  # RAY_gcs_rpc_server_reconnect_timeout_s: raylet, dashboard and workers wait this long for the GCS
-APP = """
-from ray import serve
-from starlette.requests import Request
-
-
-@serve.deployment(ray_actor_options={"num_cpus": 0.1})
-class Model:
-    def __call__(self, prompt: str) -> str:
-        return prompt[::-1]
-
-
-@serve.deployment(ray_actor_options={"num_cpus": 0.1})
-class Ingress:
-    def __init__(self, model):
-        self.model = model
-
-    async def __call__(self, request: Request) -> dict:
-        return {"text": await self.model.remote((await request.json())["prompt"])}
-
-
-app = Ingress.bind(Model.bind())
-"""
+ENGINE = {"block_size": 16, "num_kv_blocks": 64, "max_num_seqs": 4, "max_waiting": 4}
+SMALL = {"num_cpus": 0.2}
+PROMPT = {"model": "tiny", "prompt": "12+34=", "max_tokens": 4, "temperature": 0}
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
@@ -159,9 +138,8 @@ def ft_head(redis):
     env |= {"HOME": str(tmp), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", key: value,
             "RAY_REDIS_ADDRESS": f"127.0.0.1:{redis_port}", "RAY_external_storage_namespace": f"mlplat-test-{value[:8]}",
             "RAY_gcs_rpc_server_reconnect_timeout_s": str(RECONNECT_TIMEOUT_S), "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
-    (tmp / "app").mkdir()
-    (tmp / "app" / "ft_app.py").write_text(APP)  # importable by the head's workers, as an image's app would be
-    env["PYTHONPATH"] = str(tmp / "app")
+    # The engine's C++ kernels: the build `make test` made, not a new one under this HOME.
+    env["TORCH_EXTENSIONS_DIR"] = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache" / "torch_extensions")
     log = tmp / "start.log"
     # Not --block: that mode kills the whole node as soon as one of its processes (the GCS, here) dies.
     start = subprocess.Popen(
@@ -180,14 +158,20 @@ def ft_head(redis):
 
 
 def complete(url: str, timeout: float) -> int | str:
-    """One request: its HTTP status (200 only with the right answer), or "timeout" (a hang)."""
+    """One greedy completion: its HTTP status (200 only with a completion), or "timeout" (a hang)."""
     try:
-        response = httpx.post(url, json={"prompt": "12+34="}, timeout=timeout)
-        return response.status_code if response.status_code != 200 or response.json() == {"text": "=43+21"} else response.text
+        response = httpx.post(f"{url}/v1/completions", json=PROMPT, timeout=timeout)
+        return response.status_code if response.status_code != 200 or response.json()["choices"][0]["text"] is not None else response.text
     except httpx.TimeoutException:
         return "timeout"
     except httpx.TransportError as err:
         return type(err).__name__
+
+
+def answer(url: str) -> str:
+    response = httpx.post(f"{url}/v1/completions", json=PROMPT, timeout=30)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
 
 
 def serve_status(dashboard: str) -> str | None:
@@ -198,7 +182,7 @@ def serve_status(dashboard: str) -> str | None:
     return apps.get("llm", {}).get("status")
 
 
-def test_serving_app_and_job_record_survive_a_gcs_restart(ft_head):
+def test_serving_app_and_job_record_survive_a_gcs_restart(ft_head, tiny_model):
     from ray.job_submission import JobSubmissionClient
 
     dashboard, serve_url = ft_head["dashboard"], ft_head["serve"]
@@ -207,7 +191,9 @@ def test_serving_app_and_job_record_survive_a_gcs_restart(ft_head):
     config = {
         "proxy_location": "HeadOnly",
         "http_options": {"host": "127.0.0.1", "port": ft_head["serve_port"]},
-        "applications": [{"name": "llm", "route_prefix": "/", "import_path": "ft_app:app"}],
+        "applications": [{"name": "llm", "route_prefix": "/", "import_path": "serve_apps.llm:app_builder",
+                          "args": {"model": str(tiny_model), "model_name": "tiny", "mode": "colocated", "engine_args": ENGINE,
+                                   "colocated": SMALL, "ingress": SMALL, "app_name": "llm"}}],
     }
     assert httpx.put(f"{dashboard}/api/serve/applications/", json=config, timeout=60).status_code == 200
     jobs = JobSubmissionClient(dashboard)
@@ -218,7 +204,7 @@ def test_serving_app_and_job_record_survive_a_gcs_restart(ft_head):
             f"{dashboard}/api/serve/applications/", timeout=10).text[-3000:]
         time.sleep(0.5)
     assert jobs.get_job_info(job_id).status.value == "SUCCEEDED" and "42" in jobs.get_job_logs(job_id)
-    assert complete(serve_url, 30) == 200
+    before = answer(serve_url)
     deployed = time.monotonic()
 
     # The GCS dies; remember how it was started, as a pod's restart would.
@@ -256,7 +242,7 @@ def test_serving_app_and_job_record_survive_a_gcs_restart(ft_head):
             error = err
     assert gcs_server(ft_head["gcs_port"]) == restarted.pid
     assert record.status.value == "SUCCEEDED" and record.entrypoint == "python -c 'print(6 * 7)'"
-    assert complete(serve_url, 30) == 200
+    assert answer(serve_url) == before
     port, password = ft_head["redis"]
     assert "RAYmlplat-test-" in redis_cli(port, password, "KEYS", "*")  # the tables lived in Redis all along
     print(f"deployed in {deployed - started:.1f}s; outage replies {dict(outage)}; back {time.monotonic() - killed:.1f}s after the kill")
