@@ -150,3 +150,25 @@ def test_engine_state_machine(checkpoint):
     EngineMachine.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=30, deadline=None,
                                                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])  # fmt: skip
     EngineMachine.TestCase().runTest()
+
+
+def test_a_prompt_that_skips_the_prefix_cache_takes_back_imported_blocks_instead_of_restarting_forever(checkpoint):
+    """Found by the long state-machine run: a prompt whose log-probs are asked for (so it cannot reuse its own cached
+    blocks) ran out of blocks mid-prefill while two imported requests held the rest of the cache waiting; it was
+    preempted and recomputed from the start at every step, forever. The imports' blocks now go first."""
+    make = lambda: LLMEngine(EngineConfig(model=str(checkpoint), block_size=BLOCK_SIZE, num_kv_blocks=BLOCKS, max_model_len=MAX_LEN,  # noqa: E731
+                                          max_num_seqs=4, max_num_batched_tokens=16, max_waiting=6))  # fmt: skip
+    engine, prefill = make(), make()
+    engine.add_request(BASES[0] + [3] * 10, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))  # 5 of 12 blocks
+    for _ in range(2):  # 4 blocks each, held while they wait
+        params = SamplingParams(max_tokens=2, temperature=0.0)
+        engine.add_prefilled(prefill.prefill(BASES[0][:6] + [3] * 7, params), params)
+    finished = []
+    for _ in range(50):
+        finished += engine.step()
+        if not engine.has_unfinished:
+            break
+    assert not engine.has_unfinished and len(finished) == 3 and all(out.error is None for out in finished)
+    asked = next(out for out in finished if out.prompt_logprobs is not None)
+    assert len(asked.prompt_logprobs) == len(asked.prompt_token_ids) == len(BASES[0]) + 10
+    assert engine.block_manager.num_free_blocks == BLOCKS

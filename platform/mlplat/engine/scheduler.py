@@ -56,6 +56,8 @@ class Scheduler:
             seq = self.running[i]
             n = min(len(seq) - seq.num_computed_tokens, budget)
             while not self.block_manager.allocate_slots(seq, n):
+                if self._reclaim_waiting_blocks(seq):  # a waiting import's KV goes before a running sequence's
+                    continue
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim)
                 preempted = True
@@ -94,10 +96,12 @@ class Scheduler:
         return scheduled
 
     def _reclaim_waiting_blocks(self, head: Sequence) -> bool:
-        """Nothing runs, so nothing will free blocks, yet the head of the queue does not fit: free the
-        blocks that a waiting sequence holds (one imported with its prompt's KV, the latest first); it
-        is recomputed when its turn comes, like a preempted one. Without this, imported requests that
-        hold the whole cache wait for each other forever."""
+        """Free the blocks that a waiting sequence holds (one imported with its prompt's KV, the latest
+        first) for ``head``, which does not fit: a running sequence short of blocks, or the head of the
+        queue while nothing runs. The holder is recomputed when its turn comes, like a preempted one.
+        Without this, imported requests that hold the whole cache wait for each other forever, and a
+        prompt that cannot use the prefix cache (its log-probs asked for) is preempted mid-prefill and
+        recomputed from the start again and again."""
         holder = next((s for s in reversed(self.waiting) if s is not head and s.block_table), None)
         if holder is None:
             return False
