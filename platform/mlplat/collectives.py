@@ -39,13 +39,7 @@ def rank() -> int:
 
 def all_reduce(tensor: torch.Tensor, device: torch.device, op: ReduceOp = "sum") -> torch.Tensor:
     """``tensor`` reduced over the ranks, returned on ``device`` (the caller's tensor is left as it was)."""
-    out = tensor.to(device=device, copy=True)
-    if active():
-        dist.all_reduce(out, op=_OPS[op])
-        ISSUED["all_reduce"] += 1
-        if op == "mean":
-            out /= dist.get_world_size()
-    return out
+    return all_reduce_(tensor.to(device=device, copy=True), device, op)
 
 
 def all_reduce_(tensor: torch.Tensor, device: torch.device, op: ReduceOp = "sum") -> torch.Tensor:
