@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from mlplat.config import Config
 
@@ -50,3 +50,28 @@ class EngineConfig(Config):
     # The most top log-probs a request may ask for per token (top_logprobs, prompt_logprobs), as vLLM's max_logprobs
     max_logprobs: int = Field(20, ge=0)
     structured_outputs: StructuredLimits = StructuredLimits()  # per-request limits on grammars (engine.structured)
+    # "flex": attention reads the paged KV cache in place through FlexAttention with a block mask over the page
+    # table (engine.flex; compiled kernels on CUDA, an eager reference on CPU). "sdpa": gather + SDPA, and on
+    # CPU in fp32 the C++ decode kernel.
+    attention_backend: Literal["sdpa", "flex"] = "sdpa"
+    # CUDA only, with attention_backend "flex": a decode-only step of up to max(sizes) sequences is padded to the
+    # next of these batch sizes and replayed from a CUDA graph captured at start-up (engine.cuda_graph). [] = eager.
+    cuda_graph_batch_sizes: list[int] = []
+
+    @model_validator(mode="after")
+    def _check_gpu_paths(self):
+        cuda = self.device.startswith("cuda")
+        if cuda and self.attention_backend == "flex" and self.block_size % 16:
+            raise ValueError(f"attention_backend 'flex' on CUDA needs block_size a multiple of 16 (its kernels' smallest KV tile), "
+                             f"got {self.block_size}: set block_size: 16, or attention_backend: sdpa")
+        sizes = self.cuda_graph_batch_sizes
+        if not sizes:
+            return self
+        if any(s < 1 for s in sizes):
+            raise ValueError(f"cuda_graph_batch_sizes must be positive, got {sizes}")
+        if not cuda:
+            raise ValueError(f"cuda_graph_batch_sizes needs device 'cuda' (got device {self.device!r}): set device: cuda, or cuda_graph_batch_sizes: []")
+        if self.attention_backend != "flex":
+            raise ValueError("cuda_graph_batch_sizes needs attention_backend 'flex' (the sdpa path plans each step on the host, "
+                             "which a graph cannot replay): set attention_backend: flex, or cuda_graph_batch_sizes: []")
+        return self

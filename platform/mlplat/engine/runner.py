@@ -12,8 +12,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from mlplat.engine import cpu, cpu_kernels
+from mlplat.engine import cpu, cpu_kernels, flex
 from mlplat.engine.config import EngineConfig
+from mlplat.engine.cuda_graph import DecodeGraphs
 from mlplat.engine.model import AttentionMetadata, CausalLM, head_dim, hf_state_dict_to_engine
 from mlplat.engine.quant import quantize_int8_
 from mlplat.engine.sequence import Sequence
@@ -86,8 +87,11 @@ class ModelRunner:
         head_size = head_dim(c)
         block_bytes = c.num_hidden_layers * 2 * cfg.block_size * c.num_key_value_heads * head_size * self.dtype.itemsize
         self.num_blocks = cfg.num_kv_blocks or max(1, int(cfg.kv_cache_memory_gb * 2**30) // block_bytes)
-        # [layers, k/v, blocks, block_size, kv_heads, head_dim], allocated once.
-        shape = (c.num_hidden_layers, 2, self.num_blocks, cfg.block_size, c.num_key_value_heads, head_size)
+        # [layers, k/v, blocks, block_size, kv_heads, head_dim], allocated once. With FlexAttention one spare block past
+        # those the block manager hands out, where the padding rows of a CUDA-graphed step write; there with or without
+        # graphs, so that engines of one model compile FlexAttention for the same cache shape.
+        spare = 1 if cfg.attention_backend == "flex" else 0
+        shape = (c.num_hidden_layers, 2, self.num_blocks + spare, cfg.block_size, c.num_key_value_heads, head_size)
         if self.device.type == "cpu":
             self.kv_cache = zeros_on_huge_pages(shape, self.dtype)
         else:
@@ -95,12 +99,20 @@ class ModelRunner:
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # grown on demand, see AttentionMetadata
         self.use_cpu_kernels = cfg.cpu_kernels and cpu_fp32 and cpu_kernels.load()
-        self.decode_kernel = self.use_cpu_kernels and cpu_kernels.supports_decode_attention(head_size, c.num_attention_heads, c.num_key_value_heads)
-        if self.use_cpu_kernels and not self.decode_kernel:
+        sdpa = cfg.attention_backend == "sdpa"  # else FlexAttention takes decodes too
+        self.decode_kernel = self.use_cpu_kernels and sdpa and cpu_kernels.supports_decode_attention(head_size, c.num_attention_heads, c.num_key_value_heads)
+        if self.use_cpu_kernels and sdpa and not self.decode_kernel:
             log.warning("no CPU attention kernel for head_dim %d with %d query heads per KV head; decodes use gather + SDPA",
                         head_size, c.num_attention_heads // c.num_key_value_heads)
         if self.use_cpu_kernels:
             cpu.use_cpu_kernels_(self.model, decode_attention=self.decode_kernel)
+        if cfg.attention_backend == "flex":
+            flex.use_flex_attention_(self.model, cfg.block_size, compile=self.device.type == "cuda")
+        self.decode_graphs = None
+        if cfg.cuda_graph_batch_sizes:
+            assert cfg.attention_backend == "flex", "CUDA graphs replay FlexAttention's decode path (EngineConfig checks this)"
+            # Capture needs CUDA; elsewhere (tests) the same static buffers run eagerly.
+            self.decode_graphs = DecodeGraphs(self, cfg.cuda_graph_batch_sizes, capture=self.device.type == "cuda")
 
     @property
     def kv_layout(self) -> dict:
@@ -159,19 +171,28 @@ class ModelRunner:
         for i in range(len(batch)):
             logits_indices += range(ends[i] - (num_logits[i] if num_logits else 1), ends[i])
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        meta = AttentionMetadata(
-            slot_mapping=as_tensor(slots),
+        meta = self.attention_metadata(as_tensor(slots), query_lens, as_tensor(context_lens), as_tensor(tables))
+        return as_tensor(input_ids), as_tensor(positions), meta, as_tensor(logits_indices)
+
+    def attention_metadata(self, slot_mapping, query_lens: list[int], context_lens, block_tables) -> AttentionMetadata:
+        if self.cfg.attention_backend == "flex":
+            c = self.hf_config
+            return flex.FlexAttentionMetadata(slot_mapping, query_lens, context_lens, block_tables, self.block_size,
+                                              num_kv_blocks=self.kv_cache.shape[2], group=c.num_attention_heads // c.num_key_value_heads)
+        return AttentionMetadata(
+            slot_mapping=slot_mapping,
             query_lens=query_lens,
-            context_lens=as_tensor(context_lens),
-            block_tables=as_tensor(tables),
-            block_size=bs,
+            context_lens=context_lens,
+            block_tables=block_tables,
+            block_size=self.block_size,
             decode_kernel=self.decode_kernel,
         )
-        return as_tensor(input_ids), as_tensor(positions), meta, as_tensor(logits_indices)
 
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]], num_logits: list[int] | None = None) -> torch.Tensor:
         """Logits [sum(num_logits), V] at each sequence's last ``num_logits[i]`` new tokens (default 1)."""
+        if self.decode_graphs is not None and self.decode_graphs.fits(batch, num_logits):
+            return self.decode_graphs.run(batch)
         input_ids, positions, meta, logits_indices = self.prepare(batch, num_logits)
         if meta.max_decode_gather:
             if self.gather_buffers is None or self.gather_buffers[0].shape[0] < meta.max_decode_gather:
