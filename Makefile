@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # resolves to a local CPU wheel). GPU machines: make quickstart TORCH=torch
 TORCH ?= torch==2.13.0
 
-.PHONY: quickstart test test-fast install install-dev kernels prometheus redis clean
+.PHONY: quickstart test test-fast install install-dev kernels prometheus redis clean gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,15 @@ test: install-dev kernels prometheus redis
 # The unit tests alone: no Ray cluster, no end-to-end runs (under 2 minutes on 2 cores).
 test-fast: install-dev
 	$(BIN)/python -m pytest -q -ra -m "not cluster and not slow"
+
+# The prepared GPU check (issue 38, docs/gpu.md): Ray-, MLflow-free, from the source tree, so it installs nothing
+# (`pip install -e .` would fetch Ray); this checkout's venv if there is one, else python3; PYTHONPATH from the
+# environment is kept after platform/ (wheels installed with --target, docs/gpu.md). On a GPU machine:
+# `make gpu-check`; on CPU: `make gpu-check GPU_CHECK_ARGS="--device cpu --quick"` (the run tests/test_gpucheck.py makes).
+GPU_CHECK_OUT ?= outputs/gpucheck
+GPU_CHECK_ARGS ?=
+gpu-check:
+	PYTHONPATH=platform$(if $(PYTHONPATH),:$(PYTHONPATH)) $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) -m mlplat.gpucheck --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
 # The engine's C++ CPU kernels (mlplat.engine.cpu_kernels), built once per source and CPU under
 # ~/.cache/torch_extensions (~20 s on 2 cores): a build step before the tests rather than inside the

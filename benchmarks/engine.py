@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import tempfile
 import time
 from pathlib import Path
@@ -47,6 +46,7 @@ from mlplat.engine import EngineConfig, LLMEngine, SamplingParams
 from mlplat.engine.config import SpeculativeConfig
 from mlplat.engine.cpu import PackedLinear
 from mlplat.engine.quant import weight_bytes
+from mlplat.gpucheck.measure import decode_step_time, engine_throughput, hf_throughput, timed, workload
 from mlplat.models import load_tokenizer
 from mlplat.models.tokenizer import train_chat_tokenizer
 
@@ -85,58 +85,6 @@ def build_model(work: Path) -> Path:
     return work / "model"
 
 
-def workload(n: int, prompt_range, output_range, vocab: int, seed: int = 0):
-    rng = random.Random(seed)
-    return [([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_range))], rng.randint(*output_range)) for _ in range(n)]
-
-
-def engine_throughput(engine: LLMEngine, requests, concurrency: int, steps: list | None = None) -> float:
-    """Output tokens/s with ``concurrency`` requests in flight. ``steps``, if given, receives each
-    step's (seconds, [(new tokens, context) per sequence]): what the step ran, for the roofline."""
-    pending = list(requests)
-    in_flight = 0
-    produced = 0
-    run, ran = engine.runner.run, []
-
-    def noting_run(batch, num_logits=None):
-        ran[:] = [(n, seq.num_computed_tokens + n) for seq, n in batch]
-        return run(batch, num_logits)
-
-    engine.runner.run = noting_run
-    try:
-        start = time.perf_counter()
-        while pending or engine.has_unfinished:
-            while pending and in_flight < concurrency:
-                prompt, max_tokens = pending.pop(0)
-                engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-                in_flight += 1
-            ran.clear()
-            step_start = time.perf_counter()
-            for out in engine.step():
-                in_flight -= 1
-                produced += len(out.outputs[0].token_ids)
-            if steps is not None and ran:
-                steps.append((time.perf_counter() - step_start, list(ran)))
-        return produced / (time.perf_counter() - start)
-    finally:
-        del engine.runner.run  # the runner's own method again
-
-
-@torch.inference_mode()
-def hf_throughput(model, requests, batch_size: int) -> float:
-    produced = 0
-    start = time.perf_counter()
-    for i in range(0, len(requests), batch_size):
-        batch = requests[i : i + batch_size]
-        width = max(len(p) for p, _ in batch)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
-        longest = max(m for _, m in batch)
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest, do_sample=False, pad_token_id=0)
-        produced += sum(m for _, m in batch)
-    return produced / (time.perf_counter() - start)
-
-
 class MemoryRates:
     """Bandwidths from one 256 MB tensor (8x the last-level cache here), timed again in each round."""
 
@@ -148,11 +96,11 @@ class MemoryRates:
 
     def copy(self) -> float:
         """Tensor bytes a copy moves per second (the issue's bandwidth; read + write traffic is twice this)."""
-        return self.bytes / min(_timed(lambda: self.y.copy_(self.x)) for _ in range(3))
+        return self.bytes / min(timed(lambda: self.y.copy_(self.x)) for _ in range(3))
 
     def read(self) -> float:
         """Bytes per second of a read-only pass (a sum): the most a GEMV could stream."""
-        return self.bytes / min(_timed(self.x.sum) for _ in range(3))
+        return self.bytes / min(timed(self.x.sum) for _ in range(3))
 
 
 @torch.inference_mode()
@@ -184,7 +132,7 @@ def matmul_flops(shapes: list[tuple[int, int, int]]) -> float:
         with torch.inference_mode():
             for kernel in kernels:
                 kernel()
-            seconds += min(_timed(kernel) for kernel in kernels for _ in range(10))
+            seconds += min(timed(kernel) for kernel in kernels for _ in range(10))
         flops += 2 * m * k * n
     return flops / seconds
 
@@ -203,27 +151,7 @@ def matmuls_only_time(model, rows: int = 1) -> float:
             linear(x)
 
     one_pass()
-    return min(_timed(one_pass) for _ in range(8))
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def decode_step_time(engine: LLMEngine, batch: int, context: int, vocab: int, steps: int = 8) -> float:
-    """Median time of a pure decode step with ``batch`` sequences at ``context`` tokens."""
-    for prompt, _ in workload(batch, (context, context), (1, 1), vocab, seed=batch):
-        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True))
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.live_sequences()):
-        engine.step()  # prefill
-    times = []
-    for _ in range(steps):
-        times.append(_timed(engine.step))
-    while engine.has_unfinished:
-        engine.step()
-    return sorted(times)[len(times) // 2]
+    return min(timed(one_pass) for _ in range(8))
 
 
 def main() -> None:
@@ -344,9 +272,9 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=1)
     engine.prefill(shared + tails[0], params)  # warms the cache with the shared prefix
     # Best of 3 against noise; a fresh tail each time, so every hit finds exactly the shared prefix cached.
-    hit = min(_timed(lambda t=t: engine.prefill(shared + t, params)) for t in tails[1:])
+    hit = min(timed(lambda t=t: engine.prefill(shared + t, params)) for t in tails[1:])
     cold = LLMEngine(EngineConfig(model=str(model_dir), block_size=16, num_kv_blocks=256, enable_prefix_caching=False))
-    miss = min(_timed(lambda t=t: cold.prefill(shared + t, params)) for t in tails[1:])
+    miss = min(timed(lambda t=t: cold.prefill(shared + t, params)) for t in tails[1:])
     report["prefix_ttft_speedup"] = miss / hit
     rows.append(("TTFT ms, 90% prefix cached (miss ms)", 1000 * hit, 1000 * miss))
 

@@ -7,7 +7,7 @@ rows (causal mask only).
     python benchmarks/sft_gpu.py [--quick] [--out FILE] [--steps N] [--activation-checkpointing]
 
 A prepared check for a GPU machine: no Ray, no MLflow, nothing downloaded (only torch,
-transformers and mlplat's ray-free modules: mlplat.train.{parallel,step,perf,batch,optim},
+transformers and mlplat's ray-free modules: mlplat.train.{parallel,step,perf,batch,optim}, mlplat.gpucheck.measure,
 mlplat.models, mlplat.data.{demo,chat}, mlplat.evaluation). It runs from a bare checkout
 too: without an installed mlplat it imports it from ./platform.
 
@@ -47,9 +47,7 @@ import gc
 import json
 import math
 import os
-import random
 import resource
-import socket
 import sys
 import tempfile
 import time
@@ -65,7 +63,8 @@ try:
 except ImportError:  # a bare checkout on a GPU machine: the package lives under ./platform
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
 
-from mlplat.train.batch import IGNORE_INDEX, PAD_SEQ_ID, count_tokens, pad_collate
+from mlplat.gpucheck.measure import init_process_group, synthetic_batches
+from mlplat.train.batch import count_tokens, pad_collate
 from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer
 from mlplat.train.parallel import ParallelConfig, parallelize
 from mlplat.train.perf import PhaseTimer, flops_per_token, peak_flops
@@ -83,58 +82,6 @@ def build_model(name: str, seq_len: int, seed: int = 0) -> LlamaForCausalLM:
     config = LlamaConfig(**MODELS[name], max_position_embeddings=seq_len, tie_word_embeddings=True, bos_token_id=None, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
-
-
-def synthetic_batches(vocab: int, n_batches: int, rows: int, seq_len: int, doc_len: tuple[int, int], packed: bool,
-                      pool: int = 64, seed: int = 0) -> list[dict[str, torch.Tensor]]:
-    """Rows in the recipe's packed format, made of documents drawn from a fixed pool of random ones.
-
-    ``packed=False``: every row is one document of exactly ``seq_len`` tokens with a plain
-    2-D attention mask (causal only, no padding): what a flash kernel can take as is.
-    """
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    if not packed:
-        docs = [torch.randint(3, vocab, (seq_len,), generator=gen) for _ in range(pool)]
-        out = []
-        for _ in range(n_batches):
-            input_ids = torch.stack([docs[rng.randrange(pool)] for _ in range(rows)])
-            out.append({"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids.clone()})
-        return out
-    docs = [torch.randint(3, vocab, (rng.randint(*doc_len),), generator=gen) for _ in range(pool)]
-    out = []
-    for _ in range(n_batches):
-        batch = {
-            "input_ids": torch.zeros(rows, seq_len, dtype=torch.long),
-            "labels": torch.full((rows, seq_len), IGNORE_INDEX, dtype=torch.long),
-            "position_ids": torch.zeros(rows, seq_len, dtype=torch.long),
-            "seq_ids": torch.full((rows, seq_len), PAD_SEQ_ID, dtype=torch.long),
-        }
-        for r in range(rows):
-            start, doc_index = 0, 0
-            while True:  # documents until the next one drawn does not fit: the rest is padding, as in streaming packing
-                doc = docs[rng.randrange(pool)]
-                if len(doc) > seq_len - start:
-                    break
-                end = start + len(doc)
-                batch["input_ids"][r, start:end] = doc
-                batch["labels"][r, start + 1 : end] = doc[1:]  # a document's first token is never a target
-                batch["position_ids"][r, start:end] = torch.arange(len(doc))
-                batch["seq_ids"][r, start:end] = doc_index
-                start, doc_index = end, doc_index + 1
-            batch["position_ids"][r, start:] = torch.arange(seq_len - start)  # padding, as mlplat.data.packing does
-        out.append(batch)
-    return out
-
-
-def init_process_group(device: torch.device) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
 
 
 def peak_memory_gib(device: torch.device) -> float | None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ray
 import torch
 from pydantic import Field
 
@@ -100,10 +99,14 @@ def generate(rollout_worker, conversations: list[list[dict]], params: dict) -> l
     """``RolloutWorker.generate`` on a rollout actor (through Ray) or an ``InProcessRollout``."""
     if isinstance(rollout_worker, InProcessRollout):
         return rollout_worker.worker.generate(conversations, params)
+    import ray  # here, not at the top: Sample and InProcessRollout import without Ray (mlplat.gpucheck)
+
     return ray.get(rollout_worker.generate.remote(conversations, params))
 
 
 def start_rollout_workers(model_dir: str, cfg: RolloutConfig) -> list:
+    import ray
+
     actor = ray.remote(RolloutWorker).options(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus)
     workers = [actor.remote(model_dir, cfg.model_dump()) for _ in range(cfg.num_actors)]
     ray.get([w.__ray_ready__.remote() for w in workers])  # fail here, not on the first rollout, if one cannot start
@@ -119,6 +122,8 @@ def sync_weights(policy, rollout_workers: list, rank: int, device: torch.device)
     full copy in the object store (a 7B model's 15 GB in bf16). A collective broadcast replaces the
     object store where the actors hold GPUs in the trainers' group. In-process rollouts (one per rank)
     each load the layers on their own rank."""
+    import ray
+
     from mlplat import collectives
     from mlplat.train.parallel import full_weights_by_layer
 
