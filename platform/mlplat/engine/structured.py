@@ -28,7 +28,7 @@ from typing import Any
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
+import llguidance.numpy
 import numpy as np
 import torch
 from pydantic import Field, model_validator
@@ -152,16 +152,17 @@ REFUSED = -1e30  # added to a refused token's logit: its probability is exactly 
 def apply_masks(logits: torch.Tensor, matchers: list[Any]) -> torch.Tensor:
     """Mask the rows of ``logits`` [B, V] whose matcher is not None to the tokens their grammar allows (in place).
 
-    The bitmask (bit j of word i: token 32 i + j) is unpacked with numpy rather than by llguidance.torch's kernel,
-    a torch.compile function: seconds of compiling per new batch shape on a CPU replica."""
+    The bitmask (bit j of word i: token 32 i + j) is filled and unpacked with numpy rather than by llguidance.torch,
+    whose kernel is a torch.compile function (seconds of compiling per new batch shape on a CPU replica) and whose
+    import alone loads torch's compiler stack (~2.5 s in every engine process on 2 cores)."""
     rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:
         return logits
     vocab = logits.shape[1]
-    bitmask = llguidance.torch.allocate_token_bitmask(len(rows), vocab)
+    bitmask = llguidance.numpy.allocate_token_bitmask(len(rows), vocab)
     for j, i in enumerate(rows):
-        llguidance.torch.fill_next_token_bitmask(matchers[i], bitmask, j)
-    allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
+        llguidance.numpy.fill_next_token_bitmask(matchers[i], bitmask, j)
+    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab, bitorder="little")
     # REFUSED added where a bit is 0: arithmetic over float rows is ~10x faster on CPU than masked_fill with a bool mask
     # Moved as bytes (a quarter of a float row per token on a GPU), made a float penalty on the logits' device.
     penalty = torch.from_numpy(allowed).to(logits.device).to(logits.dtype).sub_(1).mul_(-REFUSED)
