@@ -17,7 +17,7 @@ ONE_DIGIT = dict(
     max_steps=150,  # 67% held-out exact match here (30 prompts), from 0%
     optim=OptimizerConfig(lr=1e-3, warmup_steps=30),
     eval_limit=30,
-    grpo_steps=8,
+    grpo_steps=4,  # two rollouts: the second samples from weights synced after two optimizer steps
 )
 
 

@@ -32,11 +32,11 @@ def apps(ray_cluster, tiny_model, monkeypatch_module):
     monkeypatch_module.setenv("MLPLAT_API_KEYS", "")
     pd = build_app(ServeConfig(model=str(tiny_model), model_name="tiny", mode="pd", engine_args=ENGINE,
                                prefill=ENGINES, decode=ENGINES, ingress=SMALL, app_name="pd", route_prefix="/pd"))
-    serve.run(pd, name="pd", route_prefix="/pd")
     monkeypatch_module.setenv("MLPLAT_API_KEYS", f"other,{KEY}")
     colo = build_app(ServeConfig(model=str(tiny_model), model_name="tiny", mode="colocated", engine_args=ENGINE, request_timeout_s=TIMEOUT_S,
                                  colocated=ENGINES, ingress=SMALL, app_name="colo", route_prefix="/colo"))
-    serve.run(colo, name="colo", route_prefix="/colo")
+    # Both at once: their replicas start side by side rather than one app after the other.
+    serve.run_many([serve.RunTarget(pd, name="pd", route_prefix="/pd"), serve.RunTarget(colo, name="colo", route_prefix="/colo")])
     yield {"pd": "http://127.0.0.1:8000/pd/v1", "colo": "http://127.0.0.1:8000/colo/v1"}
     serve.delete("pd")
     serve.delete("colo")
