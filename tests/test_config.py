@@ -86,6 +86,7 @@ def test_cli_errors_are_one_line(cli_error_runs, args, message):
     assert len(lines) == 1 and message in lines[0], out.stderr
 
 
+@pytest.mark.slow  # a fresh interpreter runs the CLI end to end: `make test`, not the fast lane
 def test_a_wrong_data_path_fails_before_a_cluster_or_a_run_starts(tiny_model, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
     args = ["train", "sft", "--set", f"model={tiny_model}", "--set", f"data.path={tmp_path}/missing.jsonl"]

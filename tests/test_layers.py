@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import MLPLAT, REPO_ROOT
 
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
@@ -36,6 +37,7 @@ def test_recipes_are_registered_entry_points():
     assert out.returncode == 0 and "Supervised fine-tuning" in out.stdout and "grpo" in out.stdout, out.stdout
 
 
+@pytest.mark.slow  # a fresh interpreter runs the CLI end to end: `make test`, not the fast lane
 def test_recipe_module_main_gives_the_cli_one_line_errors(tmp_path):
     out = subprocess.run([sys.executable, "-m", "train_apps.sft", "--config", "/nonexistent.yaml"],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
@@ -43,6 +45,7 @@ def test_recipe_module_main_gives_the_cli_one_line_errors(tmp_path):
     assert out.stderr.strip().splitlines()[-1] == "mlplat: error: /nonexistent.yaml: config file not found", out.stderr
 
 
+@pytest.mark.slow  # a fresh interpreter runs the CLI end to end: `make test`, not the fast lane
 def test_pipeline_module_main_gives_the_cli_one_line_errors(tmp_path):
     out = subprocess.run([sys.executable, "-m", "pipelines.quickstart", "--param", "nonsense=1"],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)

@@ -268,6 +268,7 @@ def test_step_time_summary():
 
 
 # -- engine profiling --------------------------------------------------------------------------
+@pytest.mark.slow  # a fresh interpreter runs the CLI end to end: `make test`, not the fast lane
 def test_profile_engine_logs_a_trace_and_prints_the_top_operators(tiny_model, tracking_uri, tmp_path):
     args = ["profile", "engine", "--model", str(tiny_model), "--steps", "2", "--wait-steps", "1", "--prompts", "4", "--max-tokens", "16"]
     env = os.environ | {"MLFLOW_TRACKING_URI": tracking_uri}

@@ -4,6 +4,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from conftest import MLPLAT, REPO_ROOT
 
 
@@ -18,6 +19,7 @@ def test_stdlib_platform_still_works_from_repo_root():
     assert out.stdout.splitlines()[0] in {"Linux", "Darwin", "Windows"}
 
 
+@pytest.mark.slow  # a fresh interpreter imports every package (~5 s): `make test`, not the fast lane
 def test_installed_packages_import_from_anywhere(tmp_path):
     out = run_python(
         "import mlplat, train_apps, serve_apps, pipelines, train_apps.sft, pipelines.quickstart; print(mlplat.__file__)",

@@ -388,6 +388,7 @@ def test_a_missing_eval_file_is_an_error_before_any_run_starts(recipe, config_na
     assert not (tmp_path / "mlflow.db").exists()
 
 
+@pytest.mark.slow  # a fresh interpreter runs the CLI end to end: `make test`, not the fast lane
 def test_the_cli_prints_it_as_one_line(tmp_path):
     import subprocess
 
