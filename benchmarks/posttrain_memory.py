@@ -156,6 +156,7 @@ def _worker(rank: int, recipe: str, args: dict, store: str, out_dir: str) -> Non
     from mlplat.engine import EngineConfig, LLMEngine, SamplingParams
     from mlplat.models import load_model, load_tokenizer
     from mlplat.rl.experience import micro_batches, rollout_batch, score_completions
+    from mlplat.rl.objectives import GRPOObjective
     from mlplat.rl.rollout import Sample
     from mlplat.train.logprobs import install_logprob_head
     from mlplat.train.loop import RecipeConfig, frozen_reference, trainable
@@ -164,7 +165,7 @@ def _worker(rank: int, recipe: str, args: dict, store: str, out_dir: str) -> Non
     from mlplat.train.parallel import full_weights_by_layer, unwrap
     from mlplat.train.step import CausalLMObjective, train_step
     from train_apps.dpo import DPOObjective
-    from train_apps.grpo import GRPOConfig, GRPOObjective
+    from train_apps.grpo import GRPOConfig
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=1800))
     model_dir, chunk = args["model_dir"], args["chunk_tokens"]
@@ -236,7 +237,7 @@ def _worker(rank: int, recipe: str, args: dict, store: str, out_dir: str) -> Non
             batch["old_logprobs"] = scored["logprobs"]
             batch["ref_logprobs"] = score_completions(reference, batch, cfg.batch_size_per_worker, cfg.temperature)["logprobs"]
         phases("scored")
-        objective = ProbedObjective(GRPOObjective(cfg), phases, step)
+        objective = ProbedObjective(GRPOObjective.from_config(cfg), phases, step)
         for i in range(cfg.num_iterations):
             step[0] = i + 1
             with watch:

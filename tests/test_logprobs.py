@@ -66,8 +66,9 @@ def test_recipe_steps_never_hold_logits_for_more_than_a_chunk_and_the_unchunked_
     """SFT's loss, a DPO step and GRPO's scoring and step, watched under a TorchDispatchMode: with the head, no tensor with
     a vocabulary dimension holds more than chunk_tokens rows; a plain model's forward holds the whole batch's."""
     from mlplat.rl.experience import score_completions
+    from mlplat.rl.objectives import GRPOObjective
     from train_apps.dpo import DPOObjective
-    from train_apps.grpo import GRPOConfig, GRPOObjective
+    from train_apps.grpo import GRPOConfig
 
     chunk, rows, length = 8, 4, 24
     base = load_model(tiny_model)
@@ -89,7 +90,7 @@ def test_recipe_steps_never_hold_logits_for_more_than_a_chunk_and_the_unchunked_
     def grpo_step(model):
         scored = score_completions(model, grpo_batch, 2, 1.0, entropy=True)
         ref = score_completions(reference, grpo_batch, 2, 1.0)
-        step(model, GRPOObjective(grpo), {**grpo_batch, "old_logprobs": scored["logprobs"], "ref_logprobs": ref["logprobs"]})
+        step(model, GRPOObjective.from_config(grpo), {**grpo_batch, "old_logprobs": scored["logprobs"], "ref_logprobs": ref["logprobs"]})
 
     runs = {
         "sft": lambda model: step(model),

@@ -227,13 +227,14 @@ def test_grpo_objective_accumulates_exactly_over_micro_batches(loss_type, tiny_m
     """dapo, grpo and dr_grpo are means over the whole step's completions or tokens: two micro-batches of
     4 completions give the loss, statistics and update of one of 8 (bnpo is, by definition, per micro-batch)."""
     from mlplat.models import load_model
+    from mlplat.rl.objectives import GRPOObjective
     from mlplat.train.optim import OptimizerConfig, build_lr_scheduler
     from mlplat.train.step import train_step
-    from train_apps.grpo import GRPOConfig, GRPOObjective
+    from train_apps.grpo import GRPOConfig
 
     cfg = GRPOConfig(model="/m", data={"path": "/p"}, num_generations=4, loss_type=loss_type, beta=0.04, temperature=0.7,
                      epsilon_high=0.28, max_completion_length=4)  # fmt: skip
-    objective, batch = GRPOObjective(cfg), _rollout(tiny_model)
+    objective, batch = GRPOObjective.from_config(cfg), _rollout(tiny_model)
 
     def setup():
         model = install_logprob_head(load_model(tiny_model))
@@ -254,11 +255,12 @@ def test_grpo_objective_equals_a_plain_loop_over_completions_and_tokens(tiny_mod
     """The default loss (dapo) from the model's own log-probs, by loops: every completion token's clipped term
     plus beta * k3, over all completion tokens; log-probs at the sampling temperature."""
     from mlplat.models import load_model
-    from train_apps.grpo import GRPOConfig, GRPOObjective
+    from mlplat.rl.objectives import GRPOObjective
+    from train_apps.grpo import GRPOConfig
 
     cfg = GRPOConfig(model="/m", data={"path": "/p"}, num_generations=4, beta=0.04, temperature=0.7, epsilon_high=0.28)
     batch, model = _rollout(tiny_model), install_logprob_head(load_model(tiny_model))
-    loss, _ = GRPOObjective(cfg)(model, batch)
+    loss, _ = GRPOObjective.from_config(cfg)(model, batch)
     with torch.no_grad():  # the plain loop works from full logits (no log-prob request: the head is the plain linear layer)
         logp = torch.log_softmax(model(input_ids=batch["input_ids"]).logits.float() / 0.7, dim=-1)
     total, tokens = 0.0, 0
@@ -272,7 +274,7 @@ def test_grpo_objective_equals_a_plain_loop_over_completions_and_tokens(tiny_mod
             surrogate = -min(ratio * a, min(max(ratio, 0.8), 1.28) * a)
             total += surrogate + 0.04 * (math.exp(ref - new) - (ref - new) - 1)
             tokens += 1
-    assert (loss / GRPOObjective(cfg).units(batch)).item() == pytest.approx(total / tokens, rel=1e-4)
+    assert (loss / GRPOObjective.from_config(cfg).units(batch)).item() == pytest.approx(total / tokens, rel=1e-4)
 
 
 def test_rollout_batch_aligns_engine_logprobs_with_target_positions():

@@ -43,21 +43,10 @@ from pydantic import Field, model_validator
 
 from mlplat import recipes
 from mlplat.recipes import Recipe
-from mlplat.rl.experience import completion_mask
 from mlplat.rl.loop import RLConfig, rl_loop
+from mlplat.rl.objectives import GRPOObjective
 from mlplat.rl.run import RLRunResult, run_rl
-from mlplat.train.logprobs import labelled_logprobs
-from mlplat.train.losses import (
-    AdvantageEstimator,
-    LossType,
-    Moments,
-    ScaleRewards,
-    advantages,
-    clipped_surrogate,
-    k3_kl,
-    summed_token_loss,
-    token_loss_units,
-)
+from mlplat.train.losses import AdvantageEstimator, LossType, Moments, ScaleRewards, advantages
 from mlplat.train.worker import WorkerEnv
 
 
@@ -99,29 +88,6 @@ class GRPOConfig(RLConfig):
 GRPOResult = RLRunResult
 
 
-class GRPOObjective:
-    """The clipped policy gradient (+ beta k3 KL) on a micro-batch of completions, averaged by ``loss_type``.
-
-    The batch carries each row's ``advantages``, ``old_logprobs`` and, with beta > 0, ``ref_logprobs``."""
-
-    def __init__(self, cfg: GRPOConfig):
-        self.cfg = cfg
-
-    def units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return token_loss_units(completion_mask(batch), self.cfg.loss_type, self.cfg.max_completion_length)
-
-    def __call__(self, policy, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        cfg, mask = self.cfg, completion_mask(batch)
-        logprobs = labelled_logprobs(policy, batch, cfg.temperature)
-        per_token, clipped = clipped_surrogate(logprobs, batch["old_logprobs"], batch["advantages"], cfg.epsilon, cfg.epsilon_high)
-        stats = {"clip_fraction": summed_token_loss(clipped.float(), mask, cfg.loss_type)}
-        if cfg.beta > 0:
-            kl = k3_kl(logprobs, batch["ref_logprobs"])
-            per_token = per_token + cfg.beta * kl
-            stats["kl"] = summed_token_loss(kl.detach(), mask, cfg.loss_type)
-        return summed_token_loss(per_token, mask, cfg.loss_type), stats
-
-
 class GRPO:
     """GRPO as an ``RLAlgorithm`` (mlplat.rl.loop): G completions per prompt, advantages from their rewards alone."""
 
@@ -133,7 +99,7 @@ class GRPO:
         self.prompts_per_rollout = cfg.prompts_per_generation
         self.epochs = cfg.num_iterations
         self.uses_reference = cfg.beta > 0
-        self.policy_objective = GRPOObjective(cfg)
+        self.policy_objective = GRPOObjective.from_config(cfg)
 
     def extra_trainables(self, env: WorkerEnv, tokenizer) -> list:
         return []

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from mlplat import collectives
 from mlplat.gpucheck.common import Outcome, Settings, shape_checkpoint
 from mlplat.gpucheck.measure import init_process_group, synchronize, synthetic_batches
-from mlplat.train.losses import advantages, clipped_surrogate, k3_kl, summed_token_loss, token_loss_units
+from mlplat.rl.objectives import GRPOObjective
+from mlplat.train.losses import advantages
 from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer
 from mlplat.train.parallel import ParallelConfig, parallelize
 from mlplat.train.step import train_step
@@ -88,30 +89,6 @@ def sft_step(settings: Settings, outcome: Outcome) -> None:
         outcome.expect(losses[-1] < losses[0], f"the loss did not fall over {len(losses)} steps on repeated rows: {losses}")
 
 
-class GRPOObjective:
-    """The GRPO recipe's policy loss (train_apps/grpo.py, whose module needs Ray): the clipped surrogate on the
-    rollout's advantages plus beta x k3 KL to the reference, averaged as ``loss_type`` says."""
-
-    def __init__(self, temperature: float, beta: float, epsilon: float = 0.2, loss_type: str = "dapo", max_completion_length: int = 16):
-        self.temperature, self.beta, self.epsilon, self.loss_type, self.max_completion_length = temperature, beta, epsilon, loss_type, max_completion_length
-
-    def units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        from mlplat.rl.experience import completion_mask
-
-        return token_loss_units(completion_mask(batch), self.loss_type, self.max_completion_length)
-
-    def __call__(self, policy, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        from mlplat.rl.experience import completion_mask
-        from mlplat.train.logprobs import labelled_logprobs
-
-        mask = completion_mask(batch)
-        logprobs = labelled_logprobs(policy, batch, self.temperature)
-        per_token, clipped = clipped_surrogate(logprobs, batch["old_logprobs"], batch["advantages"], self.epsilon)
-        kl = k3_kl(logprobs, batch["ref_logprobs"])
-        stats = {"clip_fraction": summed_token_loss(clipped.float(), mask, self.loss_type), "kl": summed_token_loss(kl.detach(), mask, self.loss_type)}
-        return summed_token_loss(per_token + self.beta * kl, mask, self.loss_type), stats
-
-
 def grpo_step(settings: Settings, outcome: Outcome) -> None:
     """One GRPO step as the recipe runs it without Ray: G samples per prompt from the in-process rollout engine with
     their log-probs, rewards, group-normalised advantages, the policy's no-grad scoring (checked against the
@@ -143,7 +120,7 @@ def grpo_step(settings: Settings, outcome: Outcome) -> None:
         batch["old_logprobs"] = batch["ref_logprobs"] = old  # the reference is the starting policy
         before = issued()
         stats = train_step(policy, micro_batches(batch, 4), optimizer, scheduler, optim.grad_clip, bf16,
-                           objective=GRPOObjective(temperature=1.0, beta=0.04, max_completion_length=max_tokens))  # fmt: skip
+                           objective=GRPOObjective(temperature=1.0, loss_type="dapo", max_completion_length=max_tokens, epsilon=0.2, beta=0.04))  # fmt: skip
         step_collectives = issued() - before
         outcome.record(backend=dist.get_backend(), samples=len(samples), reward_mean=rewards.mean().item(), rollout_logprob_diff_max=diff,
                        loss=stats.loss, grad_norm=stats.grad_norm, step_metrics=stats.metrics, collectives_in_step=step_collectives)  # fmt: skip
