@@ -97,32 +97,7 @@ def run_check(fn: Callable[[Settings, Outcome], None], settings: Settings, resul
     outcome.save("passed" if not outcome.problems else "failed")
 
 
-# -- engine flags that issue 38's point 2 adds ---------------------------------------------------------------
-ENGINE_FLAGS = ("attention_backend", "cuda_graph_batch_sizes")
-
-
-def missing_engine_flags() -> list[str]:
-    from mlplat.engine import EngineConfig
-
-    return [name for name in ENGINE_FLAGS if name not in EngineConfig.model_fields]
-
-
-def attention_backends(outcome: Outcome) -> list[str | None]:
-    """The attention paths to run: the SDPA fallback and FlexAttention; without the flag (point 2 not in this
-    tree) the engine's only path, and a problem saying so."""
-    if "attention_backend" in missing_engine_flags():
-        outcome.fail("EngineConfig has no attention_backend field: the paged-attention path (issue 38 point 2) is not in this "
-                     "tree; only the engine's default path was checked")  # fmt: skip
-        return [None]
-    return ["sdpa", "flex"]
-
-
-def backend_kwargs(backend: str | None) -> dict:
-    return {} if backend is None else {"attention_backend": backend}
-
-
-def backend_name(backend: str | None) -> str:
-    return backend or "default"
+ATTENTION_BACKENDS = ("sdpa", "flex")  # the fallback and the paged-attention path (EngineConfig.attention_backend)
 
 
 # -- models, built once per run and shared through the work directory --------------------------------------

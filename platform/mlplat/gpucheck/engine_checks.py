@@ -10,18 +10,14 @@ import torch
 from mlplat.engine import EngineConfig, LLMEngine, SamplingParams
 from mlplat.engine.config import SpeculativeConfig
 from mlplat.gpucheck.common import (
+    ATTENTION_BACKENDS,
     MARGIN_TOLERANCE,
-    CheckFailed,
     Outcome,
     Settings,
     arch_checkpoint,
-    attention_backends,
-    backend_kwargs,
-    backend_name,
     compare_greedy,
     engine_greedy,
     expect_greedy_match,
-    missing_engine_flags,
     prompts,
     shape_checkpoint,
 )
@@ -61,12 +57,12 @@ def greedy_parity(settings: Settings, outcome: Outcome) -> None:
     for arch in ARCHS:
         path = arch_checkpoint(settings, arch)
         reference, margins = hf_greedy(path, batch, max_tokens, settings.torch_device)
-        for backend in attention_backends(outcome):
-            engine = small_engine(settings, path, **backend_kwargs(backend))
+        for backend in ATTENTION_BACKENDS:
+            engine = small_engine(settings, path, attention_backend=backend)
             got, _ = engine_greedy(engine, batch, max_tokens)
             comparison = compare_greedy(reference, margins, got, tolerance)
-            outcome.record(**{f"{arch}_{backend_name(backend)}": comparison})
-            expect_greedy_match(outcome, f"{arch} ({backend_name(backend)})", comparison)
+            outcome.record(**{f"{arch}_{backend}": comparison})
+            expect_greedy_match(outcome, f"{arch} ({backend})", comparison)
 
 
 def serving_bf16(settings: Settings, outcome: Outcome) -> None:
@@ -214,15 +210,15 @@ def engine_throughput_check(settings: Settings, outcome: Outcome) -> None:
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(settings.torch_device).eval()
     outcome.record(model=shape.name, parameters=shape.num_parameters(), dtype=str(dtype))
     hf_rows = None
-    for backend in attention_backends(outcome):
-        engine = shape_engine(settings, path, **backend_kwargs(backend))
+    for backend in ATTENTION_BACKENDS:
+        engine = shape_engine(settings, path, attention_backend=backend)
         rows = throughput_rows(engine, settings, shape.vocab_size, hf if hf_rows is None else None)
         if hf_rows is None:  # generate once: it does not depend on the engine's path
             hf_rows = {k: v for k, v in rows.items() if "_hf_" in k}
         else:
             rows.update(hf_rows)
             rows.update({f"c{c}_ratio": rows[f"c{c}_engine_tok_s"] / rows[f"c{c}_hf_tok_s"] for c in throughput_sizes(settings)})
-        outcome.record(**{backend_name(backend): rows})
+        outcome.record(**{backend: rows})
         del engine
     if settings.device == "cuda":
         torch.cuda.empty_cache()
@@ -231,8 +227,6 @@ def engine_throughput_check(settings: Settings, outcome: Outcome) -> None:
 def cuda_graphs(settings: Settings, outcome: Outcome) -> None:
     """Decode steps replayed from CUDA graphs (batch sizes 1..64; the engine allows them on the FlexAttention path
     only) against the same path eager: greedy output equal, output tokens/s at concurrency 1, 8, 64."""
-    if missing := missing_engine_flags():
-        raise CheckFailed(f"EngineConfig has no {' / '.join(missing)} field: CUDA-graph decode (issue 38 point 2) is not in this tree")
     path, shape = shape_checkpoint(settings)
     batch = prompts(8, seed=21, vocab=shape.vocab_size, lengths=(16, 64))
     eager = shape_engine(settings, path, attention_backend="flex")
@@ -267,12 +261,8 @@ def rooflines(settings: Settings, outcome: Outcome) -> None:
     linear_flops_per_row = 2 * (layers * (h * (q + 2 * kv) + h * q + h * 2 * i + i * h) + h * v)
     attention_flops_per_row = 4 * layers * context * q  # QK^T and PV over the context, every query head
     kv_bytes_per_row = 2 * layers * context * kv * 2  # K and V, bf16
-    if missing := missing_engine_flags():
-        outcome.fail(f"EngineConfig has no {' / '.join(missing)} field (issue 38 point 2): only the engine's current path was measured")
-        paths = [("default", {})]
-    else:
-        paths = [("fallback_sdpa", {"attention_backend": "sdpa"}), ("flex", {"attention_backend": "flex"}),
-                 ("flex_cuda_graphs", {"attention_backend": "flex", "cuda_graph_batch_sizes": [1, 64]})]  # fmt: skip
+    paths = [("fallback_sdpa", {"attention_backend": "sdpa"}), ("flex", {"attention_backend": "flex"}),
+             ("flex_cuda_graphs", {"attention_backend": "flex", "cuda_graph_batch_sizes": [1, 64]})]  # fmt: skip
     for name, kw in paths:
         engine = shape_engine(settings, path, **kw, **({"num_kv_blocks": 256} if settings.quick else {}))  # 64 x (16 + 10) tokens fit
         weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
