@@ -38,6 +38,11 @@ def test_sft_on_two_workers_improves_loss_and_registers(sft_run, tiny_model):
     assert not any(key.startswith("mlplat.health") for key in run.data.tags)
     assert result.model_version.uri == "models:/test-sft-model/1"
     assert str(client.get_model_version_by_alias("test-sft-model", "candidate").version) == "1"
+
+    # The embedded local cluster runs Ray Train without its preemption watcher (mlplat.runtime.init_ray): never started, alive or dead.
+    from ray._private.state import actors  # the state API (ray.util.state) needs the dashboard, which this cluster does not run
+
+    assert "PreemptionWatcher" not in {a["ActorClassName"] for a in actors().values()}
     version = client.get_model_version("test-sft-model", "1")
     assert version.run_id == result.run_id and version.source.endswith("/model")
 
