@@ -202,3 +202,18 @@ def test_cuda_graph_sizes_are_checked_at_the_config_edge(llama):
     assert EngineConfig(model=str(llama), device="cuda", attention_backend="flex", cuda_graph_batch_sizes=[1, 8]).cuda_graph_batch_sizes == [1, 8]
     with pytest.raises(ValidationError):
         EngineConfig(model=str(llama), attention_backend="triton")
+
+
+@settings(max_examples=200, deadline=None)
+@given(device=st.sampled_from(["cpu", "cuda", "cuda:1"]), backend=st.sampled_from(["sdpa", "flex"]), block_size=st.integers(1, 64),
+       sizes=st.lists(st.integers(-2, 128), max_size=4))
+def test_any_gpu_path_config_is_accepted_exactly_when_it_can_run(device, backend, block_size, sizes):
+    """Generated settings of the two flags: accepted where the engine can run them, else refused naming the field."""
+    kwargs = dict(model="/m", device=device, attention_backend=backend, block_size=block_size, cuda_graph_batch_sizes=sizes)
+    cuda, flex = device.startswith("cuda"), backend == "flex"
+    runnable = not (cuda and flex and block_size % 16) and (not sizes or (min(sizes) >= 1 and cuda and flex))
+    if runnable:
+        assert EngineConfig(**kwargs).cuda_graph_batch_sizes == sizes
+    else:
+        with pytest.raises(ValidationError, match="block_size|cuda_graph_batch_sizes"):
+            EngineConfig(**kwargs)
