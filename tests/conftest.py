@@ -40,12 +40,40 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
 # `make test-fast` runs the unit tests: none that needs a Ray cluster (through these fixtures, or one it
 # starts itself: marked `cluster`) and none of the `slow` end-to-end runs. `make test` runs everything.
 CLUSTER_FIXTURES = {"ray_cluster", "ray_head", "token_auth_head"}
+CLUSTER_MODULES_THAT_SERVE_NOTHING = {"test_posttrain.py", "test_sft_resume.py"}  # long Ray Train runs, no Serve, no Prometheus
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks (`--dist loadgroup`)
 def pytest_collection_modifyitems(items):
     for item in items:
         if CLUSTER_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.cluster)
+        # `make test` runs two pytest-xdist workers, each with its own session (and Ray cluster, if it runs a test that
+        # needs one). The tests on the cluster run in one of them, in file order (one Serve on port 8000, Prometheus
+        # scraping that cluster); unit tests, loop-level runs and tests with a Ray head of their own run on the other,
+        # in the time the first spends waiting on Ray. Modules that train on the cluster but serve nothing run
+        # together wherever there is room: on the second worker they start its own cluster, which balances the two.
+        if "ray_cluster" in item.fixturenames:
+            module = item.path.name
+            item.add_marker(pytest.mark.xdist_group(module if module in CLUSTER_MODULES_THAT_SERVE_NOTHING else "ray_cluster"))
+
+
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """``build(path)``, run by the first pytest-xdist worker that asks for ``name``; the others wait for it and reuse
+    ``path`` (without xdist: once per session, as any session fixture)."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's base temp dir, which every worker's own lies in
+    path, done = root / name, root / f"{name}.done"
+    with FileLock(root / f"{name}.lock"):
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir()
+            build(path)
+            done.touch()
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -74,7 +102,7 @@ def tiny_model(tmp_path_factory, demo_data) -> Path:
     from mlplat.data.demo import tokenizer_corpus
     from mlplat.models import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", tokenizer_corpus(demo_data.sft))
+    return built_once(tmp_path_factory, "tiny", lambda path: build_tiny_model(path / "model", tokenizer_corpus(demo_data.sft))) / "model"
 
 
 # The post-training tests' task: one-digit reversed sums.
@@ -102,21 +130,23 @@ def sft_model(tmp_path_factory, tiny_model, one_digit):
     from mlplat.train.optim import OptimizerConfig, build_lr_scheduler, build_optimizer
     from mlplat.train.step import train_step
 
-    torch.manual_seed(0)
-    tokenizer, model = load_tokenizer(tiny_model), load_model(tiny_model)
-    with open(one_digit.sft) as f:
-        rows = [tokenize_chat(tokenizer, json.loads(line)["messages"], 64) for line in f]
-    optim = OptimizerConfig(lr=1e-3, warmup_steps=50)
-    optimizer = build_optimizer(model, optim)
-    scheduler = build_lr_scheduler(optimizer, optim, 100)
-    rng = random.Random(0)
-    for _ in range(100):
-        batch = rng.sample(rows, 32)
-        train_step(model, pad_collate({"input_ids": [r[0] for r in batch], "labels": [r[1] for r in batch]}, tokenizer.pad_token_id), optimizer, scheduler, 1.0)
-    out = tmp_path_factory.mktemp("sft") / "model"
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    def train(out: Path) -> None:
+        torch.manual_seed(0)
+        tokenizer, model = load_tokenizer(tiny_model), load_model(tiny_model)
+        with open(one_digit.sft) as f:
+            rows = [tokenize_chat(tokenizer, json.loads(line)["messages"], 64) for line in f]
+        optim = OptimizerConfig(lr=1e-3, warmup_steps=50)
+        optimizer = build_optimizer(model, optim)
+        scheduler = build_lr_scheduler(optimizer, optim, 100)
+        rng = random.Random(0)
+        for _ in range(100):
+            batch = rng.sample(rows, 32)
+            train_step(model, pad_collate({"input_ids": [r[0] for r in batch], "labels": [r[1] for r in batch]}, tokenizer.pad_token_id),
+                       optimizer, scheduler, 1.0)  # fmt: skip
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+
+    return built_once(tmp_path_factory, "sft", lambda path: train(path / "model")) / "model"
 
 
 def free_ports(n: int) -> list[int]:
