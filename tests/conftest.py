@@ -40,7 +40,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
 # `make test-fast` runs the unit tests: none that needs a Ray cluster (through these fixtures, or one it
 # starts itself: marked `cluster`) and none of the `slow` end-to-end runs. `make test` runs everything.
 CLUSTER_FIXTURES = {"ray_cluster", "ray_head", "token_auth_head"}
-CLUSTER_MODULES_THAT_SERVE_NOTHING = {"test_posttrain.py", "test_sft_resume.py"}  # long Ray Train runs, no Serve, no Prometheus
+# Ray Train, Ray Data and pipeline runs: no Serve, no Prometheus
+CLUSTER_MODULES_THAT_SERVE_NOTHING = {"test_console.py", "test_data_loader.py", "test_data_pipeline.py", "test_data_schemas.py",
+                                      "test_data_sources.py", "test_packing.py", "test_pipeline.py", "test_pipeline_cache.py",
+                                      "test_posttrain.py", "test_sft_resume.py"}  # fmt: skip
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks (`--dist loadgroup`)
