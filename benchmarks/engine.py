@@ -1,8 +1,20 @@
 """Claim: the native engine beats transformers `generate` on a mixed workload and runs near
 the machine's rooflines. Baseline in the same run: `generate`, batched and left-padded the
-way a user would batch it, on the same ~90M-parameter random-weight Llama and prompts.
+way a user would batch it, on the same random-weight model and prompts.
 
-    python benchmarks/engine.py [--quick] [--out FILE]
+    python benchmarks/engine.py [--quick] [--shape llama-90m|qwen2.5-0.5b|...] [--out FILE]
+
+Model (``--shape``): ``llama-90m``, a ~90M-parameter Llama (1024 wide, 8 layers, the tiny
+tokenizer's vocabulary; the default with --quick), or a real model's shape from
+mlplat.models.shapes with random weights (the default of a full run: ``qwen2.5-0.5b``, 494M
+parameters, q/k/v biases, a tied 151,936-entry vocabulary: a real model's weight bytes per
+step, head and logits). The tokenizer is the tiny one; prompts are random ids over the whole
+vocabulary. A real shape runs the --quick workload (prompts 32-128 tokens, outputs 16-64; 2 /
+8 / 32 requests at c=1 / 8 / 32; one c=32 round): the full workload takes hours at 0.5B on a
+2-core CPU. JSON: ``shape`` (its name) and ``model`` (its numbers)
+beside the fields below, and ``complete`` (the report is written after each section, false until
+the last); default output benchmarks/results/engine.json for llama-90m,
+engine_<shape>.json otherwise.
 
 Measures (all in one run):
 - output tokens/s at concurrency 1, 8, 32 (engine keeps c requests in flight; baseline runs
@@ -32,6 +44,7 @@ Measures (all in one run):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import tempfile
@@ -48,7 +61,10 @@ from mlplat.engine.cpu import PackedLinear
 from mlplat.engine.quant import weight_bytes
 from mlplat.gpucheck.measure import decode_step_time, engine_throughput, hf_throughput, timed, workload
 from mlplat.models import load_tokenizer
+from mlplat.models.shapes import SHAPES, build_random_model
 from mlplat.models.tokenizer import train_chat_tokenizer
+
+LLAMA_90M = "llama-90m"  # the model the quick run and the earlier full runs use
 
 
 def build_draft(target: Path, work: Path, layers: int = 1) -> Path:
@@ -56,6 +72,8 @@ def build_draft(target: Path, work: Path, layers: int = 1) -> Path:
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
     model.model.layers = model.model.layers[:layers]
     model.config.num_hidden_layers = layers
+    if getattr(model.config, "layer_types", None):  # Qwen2-family configs list one attention type per layer
+        model.config.layer_types = model.config.layer_types[:layers]
     model.save_pretrained(work / "draft")
     train_tokenizer = load_tokenizer(target)
     train_tokenizer.save_pretrained(work / "draft")
@@ -74,8 +92,11 @@ def perplexity(engine: LLMEngine, texts: list[list[int]]) -> float:
     return math.exp(sum(nll) / len(nll))
 
 
-def build_model(work: Path) -> Path:
+def build_model(work: Path, shape: str) -> Path:
+    """``shape``'s checkpoint with random weights under ``work`` (and the demo data, whose eval rows score int8)."""
     paths = write_demo_data(work / "data", DemoDataConfig(sft_rows=2000, eval_rows=10, preference_rows=10, rl_rows=10))
+    if shape != LLAMA_90M:
+        return build_random_model(work / "model", SHAPES[shape], tokenizer_corpus(paths.sft))
     tokenizer = train_chat_tokenizer(tokenizer_corpus(paths.sft))
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                          num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=True)
@@ -157,15 +178,20 @@ def matmuls_only_time(model, rows: int = 1) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description="native engine vs transformers generate")
     parser.add_argument("--quick", action="store_true", help="smaller workload (under 3 minutes)")
-    parser.add_argument("--out", default="benchmarks/results/engine.json")
+    parser.add_argument("--shape", choices=[LLAMA_90M, *SHAPES], default=None,
+                        help=f"{LLAMA_90M} (default with --quick) or a real model's shape, random weights (default: qwen2.5-0.5b)")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/engine.json (llama-90m), engine_<shape>.json otherwise")
     args = parser.parse_args()
+    shape = args.shape or (LLAMA_90M if args.quick else "qwen2.5-0.5b")
+    out = Path(args.out or f"benchmarks/results/engine{'' if shape == LLAMA_90M else '_' + shape}.json")
+    small_workload = args.quick or shape != LLAMA_90M  # a real shape's step costs 5x+ the 90M model's: the quick workload
     torch.manual_seed(0)
     work = Path(tempfile.mkdtemp(prefix="engine_bench_"))
-    model_dir = build_model(work)
+    model_dir = build_model(work, shape)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     vocab = hf.config.vocab_size
     n_params = sum(p.numel() for p in hf.parameters())
-    scale = (32, 128, 16, 64) if args.quick else (32, 512, 16, 256)
+    scale = (32, 128, 16, 64) if small_workload else (32, 512, 16, 256)
     engine = LLMEngine(EngineConfig(model=str(model_dir), block_size=16, max_num_seqs=32, max_num_batched_tokens=2048, num_kv_blocks=2048))
 
     cfg = hf.config
@@ -174,14 +200,22 @@ def main() -> None:
     shapes = [(32, h, h + 2 * kvd), (32, h, h), (32, h, 2 * i_), (32, i_, h)] * cfg.num_hidden_layers + [(32, h, vocab)]
     distinct_shapes = shapes[:4] + shapes[-1:]
 
-    rows, report = [], {"model_params": n_params}
+    numbers = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "tie_word_embeddings")  # fmt: skip
+    rows, report = [], {"shape": shape, "model": {k: getattr(cfg, k) for k in numbers}, "model_params": n_params, "complete": False}
+
+    def save() -> None:
+        """The report so far, after each section: a long run (a real shape on a busy CPU) stopped early keeps what it measured."""
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2))
+        print(f"{time.strftime('%H:%M:%S')} {len(report)} fields so far -> {out}", flush=True)
     # The compute roofline on the mixed workload: c=32 runs in rounds, each on its own draw of the workload and
     # with the matmul FLOP/s timed right before and right after it (the machine's speed drifts by tens of
     # percent, within a run too). Each round: (its steps, rate before, rate after). Throughput: the first round.
     c32_rounds = []
-    num_rounds = 1 if args.quick else 3
+    num_rounds = 1 if small_workload else 3
     for c in (1, 8, 32):
-        n = {1: 2 if args.quick else 4, 8: 8 if args.quick else 16, 32: 32 if args.quick else 64}[c]
+        n = {1: 2 if small_workload else 4, 8: 8 if small_workload else 16, 32: 32 if small_workload else 64}[c]
         requests = workload(n, scale[:2], scale[2:], vocab, seed=c)
         # Each side first runs a workload of the same shape untimed: both warm (allocations, oneDNN's
         # primitives for each new batch shape, transformers' caches), as a long-running server would be.
@@ -203,6 +237,7 @@ def main() -> None:
         rows.append((f"c={c} output tok/s", ours, base))
         report[f"throughput_ratio_c{c}"] = ours / base
         report[f"engine_tok_s_c{c}"], report[f"hf_tok_s_c{c}"] = ours, base
+        save()
 
     context = scale[1]
     # c=1 against the memory roofline. The machine's bandwidth drifts by tens of percent within
@@ -223,11 +258,15 @@ def main() -> None:
     report["memory_roofline_fraction_c1_read_stream"] = fraction("t1", "read_rate")
     report["c1_step_over_matmuls_only"] = median("t1") / median("matmuls1")
     report.update(copy_gb_s=median("copy_rate") / 1e9, read_gb_s=median("read_rate") / 1e9, hf_decode_step_ms_c1=1000 * median("t1_hf"))
+    save()
     ideal1 = step_bytes / median("copy_rate")
     rows.append(("c=1 decode step ms (roofline ms)", 1000 * median("t1"), 1000 * ideal1))
     rows.append(("c=1 generate decode step ms (roofline)", 1000 * median("t1_hf"), 1000 * ideal1))
     rows.append(("c=1 matmuls alone ms (roofline ms)", 1000 * median("matmuls1"), 1000 * ideal1))
     rows.append(("c=1 decode step ms (read-stream roofline)", 1000 * median("t1"), 1000 * step_bytes / median("read_rate")))
+    # Each model copy is let go once measured: at 0.5B an engine holds ~4.5 GB fp32 (two packed layouts per weight).
+    del hf, rates
+    gc.collect()
 
     flops = matmul_flops(distinct_shapes)
     attention_flops = lambda contexts: sum(4 * cfg.num_hidden_layers * ctx * cfg.num_attention_heads * head_dim for ctx in contexts)  # noqa: E731
@@ -265,6 +304,7 @@ def main() -> None:
     report["matmul_gflop_s_streamed_weights"] = streamed / 1e9
     report["matmul_gflop_s"] = flops / 1e9
     report["matmul_gflop_s_around_c32_runs"] = [[before / 1e9, after / 1e9] for _, before, after in c32_rounds]
+    save()
 
     prompt_len = scale[1]
     shared = workload(1, (int(prompt_len * 0.9),) * 2, (1, 1), vocab, seed=99)[0][0]
@@ -277,22 +317,30 @@ def main() -> None:
     miss = min(timed(lambda t=t: cold.prefill(shared + t, params)) for t in tails[1:])
     report["prefix_ttft_speedup"] = miss / hit
     rows.append(("TTFT ms, 90% prefix cached (miss ms)", 1000 * hit, 1000 * miss))
+    save()
+    engine = cold = None  # noqa: F841 (let go)
+    gc.collect()
 
     # Speculative decoding at c=1.
     base_cfg = dict(model=str(model_dir), block_size=16, num_kv_blocks=256)
     plain = LLMEngine(EngineConfig(**base_cfg))
-    spec_requests = workload(2 if args.quick else 4, scale[:2], (64, 64) if args.quick else (128, 128), vocab, seed=7)
+    spec_requests = workload(2 if small_workload else 4, scale[:2], (64, 64) if small_workload else (128, 128), vocab, seed=7)
     draft_dir = build_draft(model_dir, work)
     drafted = LLMEngine(EngineConfig(**base_cfg, speculative=SpeculativeConfig(method="draft_model", draft_model=str(draft_dir))))
     plain_tps = sum(timed_generate(plain, p, m) for p, m in spec_requests) / len(spec_requests)
     spec_tps = sum(timed_generate(drafted, p, m) for p, m in spec_requests) / len(spec_requests)
     report.update(spec_speedup=spec_tps / plain_tps, spec_acceptance=drafted.spec_acceptance_rate)
+    del drafted
+    gc.collect()
     rows.append(("c=1 tok/s, draft-model speculation", spec_tps, plain_tps))
     repetitive = ([11, 12, 13, 14, 15, 16, 17, 18] * 40)[: scale[1]]
     ngram = LLMEngine(EngineConfig(**base_cfg, speculative=SpeculativeConfig(method="ngram")))
     ngram_tps = timed_generate(ngram, repetitive, 64)
     report.update(ngram_spec_speedup=ngram_tps / timed_generate(plain, repetitive, 64), ngram_spec_acceptance=ngram.spec_acceptance_rate)
     rows.append(("c=1 tok/s, n-gram speculation (repetitive)", ngram_tps, ngram_tps / report["ngram_spec_speedup"]))
+    save()
+    del ngram
+    gc.collect()
 
     # Int8 weight-only against fp32.
     int8 = LLMEngine(EngineConfig(**base_cfg, quantization="int8"))
@@ -313,9 +361,8 @@ def main() -> None:
         ratio = ours / base if "tok/s" in name else base / ours  # >1: ours is better
         print(f"{name:40} {ours:12.1f} {base:12.1f} {ratio:8.2f}")
     print(json.dumps({k: v for k, v in report.items() if k.endswith(("_c1", "_c8", "_c32", "speedup", "acceptance", "ratio", "change", "matmuls_only", "read_stream", "weights", "context"))}, indent=1))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    report["complete"] = True
+    save()
 
 
 if __name__ == "__main__":

@@ -20,17 +20,32 @@ from mlplat.serve.admission import admission_limits
 from mlplat.serve.auth import build_gatekeeper
 from mlplat.serve.config import ReplicaConfig, ServeConfig
 from mlplat.serve.ingress import OpenAIIngress
-from mlplat.serve.routing import FreeKVRouter, PrefixAwareRouter, RoundRobinRouter
+from mlplat.serve.lora import ResolvedAdapters, resolve_adapters
+from mlplat.serve.routing import FreeKVRouter, KVEventRouter, PrefixAwareRouter, RoundRobinRouter
 from mlplat.serve.servers import EngineServer
 from mlplat.serve.vllm_backend import build_vllm_app
 from mlplat.tracking import resolve_model
 
 
 def _options(replicas: ReplicaConfig, name: str, max_ongoing_requests: int, max_queued_requests: int = -1) -> dict:
-    return {"name": name, "num_replicas": replicas.num_replicas,
+    return {"name": name, **replicas.scaling_options(),  # num_replicas, or autoscaling_config for a pool Serve sizes
             "ray_actor_options": {"num_cpus": replicas.num_cpus, "num_gpus": replicas.num_gpus, "resources": replicas.resources},
             "max_ongoing_requests": max_ongoing_requests, "max_queued_requests": max_queued_requests,
             "health_check_period_s": replicas.health_check_period_s, "health_check_timeout_s": replicas.health_check_timeout_s}
+
+
+def _routed(router: str, block_size: int, replicas: ReplicaConfig) -> tuple[dict, dict]:
+    """Deployment options and EngineServer bind arguments for an engine pool routed by ``router`` (ServeConfig.prefill_router,
+    colocated_router; mlplat.serve.routing)."""
+    if router == "power_of_two":  # Serve's default router
+        return {}, {}
+    routers = {"kv_events": (KVEventRouter, {"block_size": block_size}), "prefix_aware": (PrefixAwareRouter, {"block_size": block_size}),
+               "round_robin": (RoundRobinRouter, {})}  # fmt: skip
+    router_class, router_kwargs = routers[router]
+    options = {"request_router_config": RequestRouterConfig(request_router_class=router_class, request_router_kwargs=router_kwargs)}
+    # kv_events: the pool's replicas publish their KV block events to an index the router asks (mlplat.serve.kv_index);
+    # a pool that never has a second replica has nothing to choose
+    return options, ({"publish_kv_events": True} if router == "kv_events" and replicas.max_replicas > 1 else {})
 
 
 def build_app(cfg: ServeConfig) -> Application:
@@ -39,6 +54,12 @@ def build_app(cfg: ServeConfig) -> Application:
     model_dir = resolve_model(cfg.model)
     # the engine's max_logprobs follows the ingress's limit unless engine_args sets it
     given = {"max_logprobs": cfg.limits.max_top_logprobs, **cfg.engine_args, "model": str(model_dir)}
+    adapters = ResolvedAdapters()
+    if cfg.lora is not None:  # adapters by name, resolved to local files that every engine replica reads on first use
+        if "lora" in cfg.engine_args:
+            raise ValueError("engine_args.lora: set the adapters in the top-level lora section (it resolves models:/ URIs)")
+        adapters = resolve_adapters(cfg.lora, cfg.model, model_dir, cfg.served_name(model_dir))
+        given["lora"] = adapters.engine_config(cfg.lora)
     engine_cfg = validate(EngineConfig, given, "engine_args")
     from transformers import AutoConfig
 
@@ -56,20 +77,22 @@ def build_app(cfg: ServeConfig) -> Application:
         gate=build_gatekeeper(cfg.auth, cfg.ingress.num_replicas),  # holds key hashes only, never keys
         tool_call_parser=cfg.tool_call_parser,
         limits=cfg.limits,
+        adapters={**dict.fromkeys(adapters.paths), **adapters.refused},  # served name -> None, or why it is refused
     )
     engine_args = engine_cfg.model_dump(mode="json")
     ingress = OpenAIIngress.options(**_options(cfg.ingress, "ingress", limits.ingress_max_ongoing_requests))
 
-    def engines(replicas: ReplicaConfig, name: str, **options):
-        return EngineServer.options(**_options(replicas, name, limits.engine_max_ongoing_requests, limits.engine_max_queued_requests),
-                                    **options).bind(engine_args)  # fmt: skip
+    def engines(replicas: ReplicaConfig, name: str, bind_kwargs: dict | None = None, **options):
+        # A replica Serve removes (downscale, redeploy) drains: it finishes its requests, which end by their deadline.
+        deployment = EngineServer.options(**_options(replicas, name, limits.engine_max_ongoing_requests, limits.engine_max_queued_requests),
+                                          graceful_shutdown_timeout_s=cfg.request_timeout_s, **options)  # fmt: skip
+        return deployment.bind(engine_args, **(bind_kwargs or {}))
 
     if cfg.mode == "colocated":
-        return ingress.bind(**common, llm=engines(cfg.colocated, "llm"))
-    prefill_routers = {"prefix_aware": (PrefixAwareRouter, {"block_size": engine_cfg.block_size}), "round_robin": (RoundRobinRouter, {})}
-    router_class, router_kwargs = prefill_routers[cfg.prefill_router]
-    prefill = engines(cfg.prefill, "prefill",
-                      request_router_config=RequestRouterConfig(request_router_class=router_class, request_router_kwargs=router_kwargs))
+        options, bind_kwargs = _routed(cfg.colocated_router, engine_cfg.block_size, cfg.colocated)
+        return ingress.bind(**common, llm=engines(cfg.colocated, "llm", bind_kwargs, **options))
+    options, bind_kwargs = _routed(cfg.prefill_router, engine_cfg.block_size, cfg.prefill)
+    prefill = engines(cfg.prefill, "prefill", bind_kwargs, **options)
     decode = engines(cfg.decode, "decode",
                      request_router_config=RequestRouterConfig(request_router_class=FreeKVRouter, request_routing_stats_period_s=1.0))
     return ingress.bind(**common, prefill=prefill, decode=decode)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from mlplat.engine import EngineConfig, LLMEngine, QueueFullError, SamplingParams
+from mlplat.engine import EngineConfig, LLMEngine, QueueFullError, SamplingParams, kv_transfer
 from mlplat.models import load_tokenizer
 
 EXAMPLES = int(os.environ.get("MLPLAT_HYPOTHESIS_EXAMPLES", "25"))
@@ -68,6 +68,7 @@ def test_engine_state_machine(checkpoint):
             self.engine, self.prefill = make(), make()
             self.engine.fault_hook = lambda stage, seq: self._poisoned(stage, seq)
             self.live: dict[str, SamplingParams] = {}  # request id -> params, until it ends
+            self.exports: set[str] = set()  # prefill-only requests (kv_transfer.add_export), batched with the rest
             self.ended: set[str] = set()
 
         @staticmethod
@@ -87,10 +88,18 @@ def test_engine_state_machine(checkpoint):
             prompt = prompt + [POISON] if poison else prompt
             self._admit(lambda: self.engine.add_request(prompt, params), params)
 
+        @rule(prompt=prompts, params=params)
+        def export(self, prompt, params):
+            try:
+                request_id = kv_transfer.add_export(self.engine, prompt, params)
+            except (QueueFullError, ValueError):
+                return
+            self.live[request_id] = params
+            self.exports.add(request_id)
+
         @rule(prompt=prompts, params=params, stop_first=st.booleans())
         def add_prefilled(self, prompt, params, stop_first):
-            params = params.model_copy(update={"n": 1})
-            try:
+            try:  # n samples: one prefill, the prompt's blocks shared on import
                 payload = self.prefill.prefill(prompt, params)
             except (QueueFullError, ValueError):
                 return
@@ -120,6 +129,11 @@ def test_engine_state_machine(checkpoint):
                 if out.error is not None:
                     assert "poisoned request" in str(out.error) and POISON in out.prompt_token_ids
                     continue
+                if out.request_id in self.exports:  # its prompt's KV and every sample's first token
+                    payload = out.kv_payload
+                    assert len(payload.samples) == params.n and payload.prompt_token_ids == out.prompt_token_ids
+                    assert payload.kv.shape[2] == len(out.prompt_token_ids)
+                    continue
                 assert sorted(o.index for o in out.outputs) == list(range(params.n))
                 for o in out.outputs:
                     assert o.finish_reason in ("stop", "length") and len(o.sampled_token_ids) <= params.max_tokens
@@ -136,7 +150,7 @@ def test_engine_state_machine(checkpoint):
         @invariant()
         def blocks_are_accounted_for(self):
             self.engine.block_manager.check_invariants(self.engine.live_sequences())
-            assert set(self.engine.requests) == set(self.live)
+            assert set(self.engine.requests) == set(self.live) and set(self.engine.exports) <= set(self.live)
             if not self.engine.has_unfinished:
                 assert not self.live and self.engine.block_manager.num_free_blocks == BLOCKS
 

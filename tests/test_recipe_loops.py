@@ -153,6 +153,16 @@ def test_lora_sft_exports_a_merged_plain_checkpoint(recipes, tmp_path, local_gro
     base, tuned = load_file(cfg.model + "/model.safetensors"), _weights(run.checkpoints[-1])
     changed = {name for name, tensor in base.items() if not torch.equal(tensor, tuned[name])}
     assert changed and all(any(f".{target}." in name for target in cfg.lora.target_modules) for name in changed), changed
+    # beside it the adapter alone (lora.register_as: adapter registers that), which the engine serves by name on the base model
+    from mlplat.engine import EngineConfig, LLMEngine, SamplingParams
+    from mlplat.engine.config import MultiLoRAConfig
+    from mlplat.train.checkpoint import ADAPTER_DIR
+
+    lora = MultiLoRAConfig(adapters={"sft": str(run.checkpoints[-1] / ADAPTER_DIR)})
+    prompts, greedy = ["12 + 34 = ", "7 + 8 = "], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    served = LLMEngine(EngineConfig(model=cfg.model, lora=lora)).generate(prompts, greedy.model_copy(update={"lora_name": "sft"}))
+    merged = LLMEngine(EngineConfig(model=str(model_dir))).generate(prompts, greedy)
+    assert [o.outputs[0].token_ids for o in served] == [o.outputs[0].token_ids for o in merged]
 
     out = subprocess.run([MLPLAT, "model", "export", "--checkpoint", str(run.checkpoints[-1]), "--out", str(tmp_path / "exported")],
                          check=False, capture_output=True, text=True, timeout=300)  # fmt: skip

@@ -70,19 +70,23 @@ def test_pd_and_colocated_match_the_engine(apps, tiny_model):
 
 def test_streaming_n_samples_with_seed(apps):
     results = {}
+    decode = serve.get_deployment_handle("decode", app_name="pd")
+    handoffs = decode.stats.remote().result()["handoffs"]["count"]
     for mode in ("pd", "colo"):
-        kwargs = dict(model="tiny", prompt="What is", max_tokens=10, n=2, seed=5, temperature=1.0)
+        kwargs = dict(model="tiny", prompt="What is", max_tokens=10, n=4, seed=5, temperature=1.0)
         whole = client(apps, mode).completions.create(**kwargs)
-        texts, reasons = {0: "", 1: ""}, {}
+        texts, reasons = dict.fromkeys(range(4), ""), {}
         for chunk in client(apps, mode).completions.create(**kwargs, stream=True):
             for c in chunk.choices:
                 texts[c.index] += c.text
                 if c.finish_reason:
                     reasons[c.index] = c.finish_reason
         assert texts == {c.index: c.text for c in whole.choices}, mode
-        assert set(reasons) == {0, 1}
+        assert set(reasons) == set(range(4))
         results[mode] = texts
     assert results["pd"] == results["colo"]  # sample i is seeded with seed + i in both topologies
+    # PD: one prefill and one KV handoff per request, whose four samples share the prompt's blocks on the decode replica
+    assert decode.stats.remote().result()["handoffs"]["count"] == handoffs + 2
 
 
 def test_chat_streaming_logprobs_and_stop(apps):

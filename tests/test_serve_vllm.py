@@ -1,11 +1,12 @@
 """engine: vllm: ServeConfig -> Ray Serve LLM configs, checked against Ray's own schemas.
 
 No GPU and no vllm here, so nothing is deployed: the translation is checked against the
-pydantic models Ray Serve LLM validates its builders' args with. ``ray.serve.llm`` and the
-PD builder import vllm, but ``LLMConfig`` lives in a module that does not, so each role's
-config is validated with the real ``LLMConfig``; the builders' args models (PDServingArgs,
-LLMServingArgs) are read from Ray's source instead (their field names and their checks).
-No Ray cluster is started.
+pydantic models Ray Serve LLM validates its builders' args with. Each role's config is validated
+with Ray's ``LLMConfig``: the public ``ray.serve.llm.LLMConfig`` where vllm is installed;
+without vllm ``import ray.serve.llm`` fails, and the class it subclasses unchanged is imported
+from where Ray defines it (no public path to it without vllm). The builders' args models
+(PDServingArgs, LLMServingArgs) and the KV connector registry are read from Ray's source
+instead. No Ray cluster is started.
 """
 
 from __future__ import annotations
@@ -21,16 +22,18 @@ from pathlib import Path
 import pytest
 import ray.llm
 import yaml
-
-# Ray's own LLMConfig: `ray.serve.llm.LLMConfig` is the same class, but importing ray.serve.llm needs vllm.
-from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
-from ray.llm._internal.serve.engines.vllm.kv_transfer.factory import BUILTIN_BACKENDS
+from ray.serve.config import AutoscalingConfig
 
 from mlplat.config import load_config
 from mlplat.errors import ConfigError, MlplatError
 from mlplat.serve import vllm_backend
 from mlplat.serve.config import ServeConfig
 from mlplat.serve.vllm_backend import llm_serving_args, pd_serving_args, serve_config, serve_config_yaml
+
+try:  # Ray Serve LLM's public API (installed with the vllm extra)
+    from ray.serve.llm import LLMConfig
+except ImportError:  # ray.serve.llm needs vllm; its LLMConfig is this class, subclassed unchanged
+    from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
 
 RAY_LLM_SERVE = Path(ray.llm.__file__).parent / "_internal" / "serve"
 VLLM_OK = ["engine=vllm", "auth.enabled=false"]  # the least a vllm config says
@@ -56,6 +59,13 @@ def args_model_fields(source: Path, class_name: str) -> set[str]:
     tree = ast.parse(source.read_text())
     cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == class_name)
     return {s.target.id for s in cls.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+
+
+def source_constant(source: Path, name: str):
+    """A module-level literal of Ray's source, read without importing the module (private, and it imports vllm's kin)."""
+    tree = ast.parse(source.read_text())
+    [value] = [n.value for n in tree.body if isinstance(n, ast.Assign) and any(getattr(t, "id", None) == name for t in n.targets)]
+    return ast.literal_eval(value)
 
 
 def assert_serve_deployment_options(options: dict) -> None:
@@ -113,9 +123,59 @@ def test_colocated_translation_validates_and_has_no_kv_transfer(model_dir):
     assert_serve_deployment_options(llm.deployment_config)
 
 
+def test_autoscaled_pools_hand_their_autoscaling_config_to_ray_serve_llm(model_dir):
+    cfg = vllm_cfg(model_dir, "prefill.autoscaling={min_replicas: 1, max_replicas: 4, target_ongoing_requests: 8}",
+                   "decode.autoscaling={min_replicas: 2, max_replicas: 8, target_ongoing_requests: 32, downscale_delay_s: 300}")
+    args = pd_serving_args(cfg, model_dir)
+    for key, (low, high, target) in {"prefill_config": (1, 4, 8), "decode_config": (2, 8, 32)}.items():
+        deployment = LLMConfig.model_validate(args[key]).deployment_config
+        assert "num_replicas" not in deployment  # else Ray Serve LLM drops the autoscaling config
+        # Every field written out, so Ray Serve LLM's default target (1e9 ongoing requests) never fills in.
+        assert set(deployment["autoscaling_config"]) >= {"target_ongoing_requests", "min_replicas", "max_replicas"}
+        scaling = AutoscalingConfig.model_validate(deployment["autoscaling_config"])
+        assert (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests) == (low, high, target)
+        assert_serve_deployment_options(deployment)
+    assert AutoscalingConfig.model_validate(args["decode_config"]["deployment_config"]["autoscaling_config"]).downscale_delay_s == 300
+    assert args["ingress_deployment_config"]["num_replicas"] == 1
+
+    colocated = llm_serving_args(vllm_cfg(model_dir, "mode=colocated", "colocated.autoscaling={max_replicas: 3}"), model_dir)
+    [llm] = [LLMConfig.model_validate(c) for c in colocated["llm_configs"]]
+    assert llm.deployment_config["autoscaling_config"]["max_replicas"] == 3 and "num_replicas" not in llm.deployment_config
+
+
+@pytest.mark.parametrize("mode", ["pd", "colocated"])
+def test_lora_maps_to_vllms_slots_and_ray_serve_llms_adapter_store(model_dir, mode):
+    cfg = vllm_cfg(model_dir, f"mode={mode}", "lora={max_loras: 6, max_lora_rank: 32}",
+                   "vllm.dynamic_lora_loading_path=s3://bucket/adapters/")
+    args = pd_serving_args(cfg, model_dir) if mode == "pd" else llm_serving_args(cfg, model_dir)
+    roles = [args["prefill_config"], args["decode_config"]] if mode == "pd" else args["llm_configs"]
+    for role in map(LLMConfig.model_validate, roles):  # pd: the same store on both legs, as PDServingArgs requires
+        assert (role.lora_config.dynamic_lora_loading_path, role.lora_config.max_num_adapters_per_replica) == ("s3://bucket/adapters", 6)
+        assert {k: role.engine_kwargs[k] for k in ("enable_lora", "max_loras", "max_lora_rank")} == {
+            "enable_lora": True, "max_loras": 6, "max_lora_rank": 32}  # fmt: skip
+    assert "lora_config" not in llm_serving_args(vllm_cfg(model_dir, "mode=colocated"), model_dir)["llm_configs"][0]
+
+
+def test_the_vllm_extra_is_ray_llm_at_the_ray_the_suite_runs():
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    [ray_pin] = [r for r in map(Requirement, project["dependencies"]) if r.name == "ray"]
+    assert str(ray_pin.specifier) == f"=={ray.__version__}"  # pinned to the Ray installed here, the one tested
+    [extra] = map(Requirement, project["optional-dependencies"]["vllm"])
+    assert (extra.name, extra.extras, extra.specifier) == ("ray", {"llm"}, ray_pin.specifier)
+    # ray[llm] pins one vLLM, the one that Ray release is built and tested with
+    [vllm] = [r for r in map(Requirement, requires("ray")) if r.name == "vllm" and r.marker and r.marker.evaluate({"extra": "llm"})]
+    assert str(vllm.specifier).startswith("=="), vllm
+
+
 @pytest.mark.parametrize("connector", ["NixlConnector", "LMCacheConnectorV1"])
 def test_kv_connectors_are_ones_ray_serve_llm_sets_up(model_dir, connector):
-    assert connector in BUILTIN_BACKENDS  # else Ray falls back to a default backend without the connector's setup
+    builtin = source_constant(RAY_LLM_SERVE / "engines/vllm/kv_transfer/factory.py", "BUILTIN_BACKENDS")
+    assert connector in builtin  # else Ray falls back to a default backend without the connector's setup
     cfg = vllm_cfg(model_dir, f"vllm.kv_connector={connector}", "vllm.kv_connector_extra_config={backends: [UCX]}")
     args = pd_serving_args(cfg, model_dir)
     for key in ("prefill_config", "decode_config"):
@@ -175,6 +235,13 @@ def test_registry_uri_resolves_to_the_registered_directory(tracking_uri, model_d
         ([*VLLM_OK, "vllm.tensor_parallel_size=2"], "overrides: vllm.tensor_parallel_size: unknown field"),
         (["engine=native", "vllm.engine_kwargs.tensor_parallel_size=2"], "overrides: vllm: .*engine: vllm only"),
         (["engine=vLLM"], "overrides: engine: .*'native' or 'vllm'"),
+        ([*VLLM_OK, "ingress.autoscaling={max_replicas: 2}"], "overrides: ingress: .*set ingress.num_replicas instead"),
+        ([*VLLM_OK, "lora={max_loras: 2}"], "overrides: lora: .*set vllm.dynamic_lora_loading_path"),
+        ([*VLLM_OK, "lora.adapters.support=models:/support@prod", "vllm.dynamic_lora_loading_path=s3://b/a"],
+         "overrides: lora: .*reads no models:/ URIs or local directories"),
+        ([*VLLM_OK, "vllm.dynamic_lora_loading_path=/mnt/adapters", "lora={}"], "overrides: vllm.dynamic_lora_loading_path: .*s3://"),
+        ([*VLLM_OK, "vllm.dynamic_lora_loading_path=gs://b/a"], "dynamic_lora_loading_path serves adapters only with a lora section"),
+        ([*VLLM_OK, "vllm.engine_kwargs.max_loras=8"], "overrides: vllm.engine_kwargs: .*'max_loras' comes from `lora.max_loras`"),
     ],
 )
 def test_bad_vllm_configs_name_the_field(model_dir, overrides, message):
@@ -227,6 +294,24 @@ def test_translation_imports_neither_vllm_nor_ray_serve_llm(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_mlplat_imports_no_private_ray_llm_module():
+    # Public APIs only (ray.serve.llm, ray.serve.config, ray.util.accelerators); Ray's private modules change between releases.
+    root = Path(__file__).resolve().parents[1]
+    private = []
+    for path in [*(root / "platform").rglob("*.py"), *(root / "serve_apps").rglob("*.py")]:
+        if "ray.llm" not in (text := path.read_text()):
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            else:
+                continue
+            private += [(path.relative_to(root), m) for m in modules if m.startswith("ray.llm._internal")]
+    assert not private
 
 
 def test_the_example_in_docs_translates(model_dir):

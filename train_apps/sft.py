@@ -13,7 +13,8 @@
              AdamW step (grad clip across shards), LR warmup + cosine
              every log_every: loss, lr, grad norm, tokens/s, MFU, time per phase -> MLflow (rank 0)
              every checkpoint_every: Ray Train checkpoint (sharded DCP or consolidated) + HF export
-    3. register the final HF checkpoint (LoRA merged) as an MLflow model version, with an alias [MLflow]
+    3. register the final HF checkpoint (LoRA merged; with lora.register_as: adapter, the adapter alone,
+       served by name on its base model) as an MLflow model version, with an alias             [MLflow]
     output: run id, model version, losses, data-wait fraction
 
 Run: ``python -m train_apps.sft --config sft.yaml --set optim.lr=3e-4``.

@@ -5,7 +5,8 @@ model (Llama family over paged attention, plain), runner (weights + KV cache), e
 (the step: schedule -> run -> post-process); beside them: cpu (CPU kernels and weight
 layouts, swapped into the model), quant (int8), spec_decode, kv_transfer (PD handoff),
 structured (grammar-constrained decoding with llguidance), flex (paged attention through
-FlexAttention, swapped into the model) and cuda_graph (decode steps replayed from CUDA graphs).
+FlexAttention, swapped into the model), cuda_graph (decode steps replayed from CUDA graphs) and lora
+(many LoRA adapters on one base model, applied batched: wrappers swapped around the projections).
 """
 
 from mlplat.engine.config import EngineConfig

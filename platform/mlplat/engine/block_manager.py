@@ -23,6 +23,14 @@ def block_hash(token_ids: list[int], parent_hash: int | None) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
+def block_hash_seed(lora_name: str | None) -> int | None:
+    """The parent hash of a sequence's first block: None for the base model; for a LoRA adapter, its name's hash, so that
+    blocks computed through different adapters (different KV for the same tokens) never share a key."""
+    if lora_name is None:
+        return None
+    return int.from_bytes(hashlib.blake2b(lora_name.encode(), digest_size=8, person=b"lora").digest(), "little")
+
+
 class Block:
     __slots__ = ("block_id", "ref_count", "hash", "token_ids")
 
@@ -42,6 +50,8 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.queried_tokens = 0
         self.hit_tokens = 0
+        # Prefix-cache changes for a KV-event router (mlplat.serve.kv_index): recorded once take_kv_events is first called.
+        self.kv_events: list[tuple[str, int | None]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -62,7 +72,7 @@ class BlockManager:
         At least one token is always left to compute, so the step yields logits."""
         if not self.enable_prefix_caching:
             return []
-        found, parent = [], None
+        found, parent = [], block_hash_seed(seq.params.lora_name)
         for i in range((len(seq) - 1) // self.block_size):
             tokens = seq.block_tokens(i, self.block_size)
             parent = block_hash(tokens, parent)
@@ -99,24 +109,68 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]  # evict from the prefix cache
+                self._record("evicted", block.hash)
             block.hash, block.token_ids, block.ref_count = None, [], 1
             seq.block_table.append(block_id)
         return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]] | None:
+        """Give ``child`` (a new sample of ``parent``'s prompt, not yet started) ``parent``'s computed KV: its full blocks
+        shared by reference, as for a prefix hit; its partial last block, which the child will write its own tokens into,
+        as a fresh block (copy-on-write). Returns the (source, destination) block pairs whose KV the caller copies, or None,
+        changing nothing, when no block is free for the copy."""
+        assert not child.block_table and parent.num_computed_tokens > 0
+        full = parent.num_computed_tokens // self.block_size
+        partial = parent.block_table[full : (parent.num_computed_tokens + self.block_size - 1) // self.block_size]
+        if len(partial) > len(self.free):
+            return None
+        for block_id in parent.block_table[:full]:
+            assert self.blocks[block_id].ref_count > 0  # held by the parent: never in the free queue
+            self.blocks[block_id].ref_count += 1
+            child.block_table.append(block_id)
+        child.num_computed_tokens = full * self.block_size
+        child.num_hashed_blocks = min(parent.num_hashed_blocks, full)
+        allocated = self.allocate_slots(child, parent.num_computed_tokens - child.num_computed_tokens)
+        assert allocated
+        child.num_computed_tokens = parent.num_computed_tokens
+        return list(zip(partial, child.block_table[full:]))
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks that ``seq`` has completely computed in the prefix cache."""
         if not self.enable_prefix_caching:
             return
         start = seq.num_hashed_blocks
-        parent = self.blocks[seq.block_table[start - 1]].hash if start else None
+        parent = self.blocks[seq.block_table[start - 1]].hash if start else block_hash_seed(seq.params.lora_name)
         for i in range(start, seq.num_computed_tokens // self.block_size):
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
                 block.token_ids = seq.block_tokens(i, self.block_size)
                 block.hash = block_hash(block.token_ids, parent)
-                self.hash_to_block.setdefault(block.hash, block.block_id)
+                if self.hash_to_block.setdefault(block.hash, block.block_id) == block.block_id:  # not a duplicate
+                    self._record("stored", block.hash)
             parent = block.hash
             seq.num_hashed_blocks = i + 1
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prefix (e.g. new weights made their KV stale); blocks in use keep their KV."""
+        self.hash_to_block.clear()
+        for block in self.blocks:
+            block.hash, block.token_ids = None, []
+        if self.kv_events is not None:
+            self.kv_events = [("cleared", None)]  # subsumes what came before
+
+    def _record(self, kind: str, h: int) -> None:
+        # Past one event per block a snapshot is smaller: stop recording, take_kv_events sends one.
+        if self.kv_events is not None and len(self.kv_events) <= len(self.blocks):
+            self.kv_events.append((kind, h))
+
+    def take_kv_events(self, snapshot: bool = False) -> tuple[list[int] | None, list[tuple[str, int | None]]]:
+        """The prefix cache's changes since the last call: (None, events), or (every cached hash, []) when
+        ``snapshot`` is asked, on the first call (recording starts then) or when a snapshot is smaller."""
+        events, self.kv_events = self.kv_events, []
+        if snapshot or events is None or len(events) > len(self.blocks):
+            return list(self.hash_to_block), []
+        return None, events
 
     def free_sequence(self, seq: Sequence) -> None:
         # Release tail first, so a sequence's prefix is the last of it to be evicted.

@@ -25,6 +25,15 @@ class StructuredLimits(Config):
     max_cached_grammars: int = Field(256, ge=1)
 
 
+class MultiLoRAConfig(Config):
+    """Many LoRA adapters on one base model (engine.lora); the names are vLLM's and Ray Serve LLM's."""
+
+    max_loras: int = Field(4, ge=1)  # adapters resident per replica (device slots, LRU): a batch mixes up to this many
+    max_lora_rank: int = Field(16, ge=1)  # the largest adapter rank accepted; every slot is sized for it
+    # served name -> peft adapter directory (the serve app also takes models:/NAME@ALIAS and resolves it); read on first use
+    adapters: dict[str, str] = {}
+
+
 class EngineConfig(Config):
     model: str  # local HF checkpoint directory (resolve models:/ URIs before building)
     device: str = "cpu"  # "cuda" on a GPU; the same code runs on both
@@ -35,6 +44,9 @@ class EngineConfig(Config):
     max_num_seqs: int = Field(64, ge=1)  # sequences decoded together
     max_num_batched_tokens: int = Field(2048, ge=1)  # token budget per step (prefill chunks + decodes)
     max_waiting: int = Field(1024, ge=0)  # bounded queue: beyond it, add_request is refused
+    # Prompts prefilling at once (each chunked within the token budget); None: as many as the budget admits. 1 prefills one
+    # prompt at a time, as a prefill replica did before batched prefill (benchmarks/serving.py's baseline).
+    max_num_prefills: int | None = Field(None, ge=1)
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
     enable_prefix_caching: bool = True
     quantization: Literal["int8"] | None = None  # int8: weight-only, per-output-channel scales
@@ -57,6 +69,7 @@ class EngineConfig(Config):
     # CUDA only, with attention_backend "flex": a decode-only step of up to max(sizes) sequences is padded to the
     # next of these batch sizes and replayed from a CUDA graph captured at start-up (engine.cuda_graph). [] = eager.
     cuda_graph_batch_sizes: list[int] = []
+    lora: MultiLoRAConfig | None = None  # serve LoRA adapters (requests name one in SamplingParams.lora_name); None: off
 
     @model_validator(mode="after")
     def _check_gpu_paths(self):
@@ -65,6 +78,9 @@ class EngineConfig(Config):
             raise ValueError(f"attention_backend 'flex' on CUDA needs block_size a multiple of 16 (its kernels' smallest KV tile), "
                              f"got {self.block_size}: set block_size: 16, or attention_backend: sdpa")
         sizes = self.cuda_graph_batch_sizes
+        if sizes and self.lora is not None:
+            raise ValueError("lora: the adapters' per-step slot indices are not captured by CUDA graphs: "
+                             "set cuda_graph_batch_sizes: [] to serve adapters")
         if not sizes:
             return self
         if any(s < 1 for s in sizes):

@@ -63,6 +63,7 @@ class RequestOutput:
     # params.prompt_logprobs: each prompt token's (log-prob given the tokens before it, top alternatives); the first (None, None)
     prompt_logprobs: list[tuple[float | None, list[tuple[int, float]] | None]] | None = None
     error: RequestFailedError | None = None  # set when the request failed inside a step (outputs empty)
+    kv_payload: KVPayload | None = None  # a prefill-only request's (kv_transfer.add_export): its prompt's KV, its first tokens
 
 
 class LLMEngine:
@@ -71,8 +72,9 @@ class LLMEngine:
         self.runner = ModelRunner(cfg)
         self.tokenizer = load_tokenizer(cfg.model)
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(cfg, self.block_manager)
+        self.scheduler = Scheduler(cfg, self.block_manager, self.runner.lora)
         self.requests: dict[str, list[Sequence]] = {}
+        self.exports: dict[str, kv_transfer.Export] = {}  # prefill-only requests in flight (kv_transfer.add_export)
         self.eos_token_ids = {self.tokenizer.eos_token_id} | set(self._generation_eos())
         self._request_ids = count()
         self.finished_on_admission: list[str] = []  # requests that finished before entering the queues
@@ -139,8 +141,13 @@ class LLMEngine:
             )
 
     def check_params(self, params: SamplingParams) -> None:
-        """ValueError for sampling parameters that name a token outside this engine's vocabulary, or ask for more
-        top log-probs than max_logprobs."""
+        """ValueError for sampling parameters that name a token outside this engine's vocabulary, ask for more
+        top log-probs than max_logprobs, or name a LoRA adapter this engine does not have or cannot run (its
+        weights are read and checked here, on first use, so that nothing invalid reaches a step)."""
+        if params.lora_name is not None:
+            if self.runner.lora is None:
+                raise ValueError(f"lora_name: {params.lora_name!r}, but this engine serves no adapters (EngineConfig.lora is unset)")
+            self.runner.lora.adapter(params.lora_name)
         bad = next((t for t in params.logit_bias if t >= self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {self.vocab_size})")
@@ -151,6 +158,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
         self.requests.pop(request_id, None)
+        self.exports.pop(request_id, None)
         if request_id in self.finished_on_admission:
             self.finished_on_admission.remove(request_id)
 
@@ -195,6 +203,8 @@ class LLMEngine:
                 if seq.needs_prompt_logprobs:
                     self._record_prompt_logprobs(seq, n, rows[i])
                 self._advance(seq, n, d, rows[i], sampled.get(i))
+                if seq.is_finished and seq.request_id in self.exports:  # a prefill-only request: its other samples' first tokens
+                    self.exports[seq.request_id].draw_other_samples(seq, rows[i][-1])
             except Exception as err:  # noqa: BLE001  (this request's failure, not the engine's)
                 failed[seq.request_id] = err
                 continue
@@ -291,10 +301,11 @@ class LLMEngine:
             seq.on_finish(seq)
         if seq.status == Status.RUNNING:
             self.scheduler.finish(seq, reason)
-        else:  # admitted already finished (an imported request that stops on its first token): never queued
+        else:  # admitted already finished (an imported sample that stops on its first token): never queued
             self.block_manager.free_sequence(seq)
             seq.status, seq.finish_reason = Status.FINISHED, reason
-            self.finished_on_admission.append(seq.request_id)
+            if all(s.is_finished for s in self.requests[seq.request_id]):  # output once, when its last sample finishes
+                self.finished_on_admission.append(seq.request_id)
 
     def _is_stop_token(self, seq: Sequence, token: int) -> bool:
         return (not seq.params.ignore_eos and token in self.eos_token_ids) or token in seq.params.stop_token_ids
@@ -317,6 +328,8 @@ class LLMEngine:
         seqs = self.requests.pop(request_id)
         out = RequestOutput(request_id, seqs[0].token_ids[: seqs[0].num_prompt_tokens], finished=True,
                             prompt_logprobs=seqs[0].prompt_logprobs)
+        if request_id in self.exports:
+            out.kv_payload = self.exports.pop(request_id).payload(seqs[0])
         for seq in seqs:
             ids = seq.output_token_ids
             if ids and self._is_stop_token(seq, ids[-1]):
@@ -368,23 +381,32 @@ class LLMEngine:
 
     # -- prefill/decode disaggregation ----------------------------------------------------------
     def prefill(self, prompt: str | list[int], params: SamplingParams = SamplingParams()) -> KVPayload:
-        """A prompt's KV and first token, for a decode engine elsewhere (see kv_transfer.export_prefill)."""
-        return kv_transfer.export_prefill(self, prompt, params)
+        """A prompt's KV and its ``params.n`` samples' first tokens, for a decode engine elsewhere, now: steps the engine
+        (the requests in flight with it) until this prompt is done. Serving adds it with kv_transfer.add_export instead and
+        takes the payload from the step that finishes it, never blocking the loop on one prompt."""
+        request_id = kv_transfer.add_export(self, prompt, params)
+        while True:
+            for out in self.step():
+                if out.request_id == request_id:
+                    if out.error is not None:
+                        raise out.error
+                    return out.kv_payload
 
     def add_prefilled(self, payload: KVPayload, params: SamplingParams = SamplingParams(), request_id: str | None = None) -> str:
-        """Admit a request whose prompt KV and first token were computed elsewhere (the decode side).
+        """Admit a request whose prompt KV and first tokens were computed elsewhere (the decode side).
 
-        It waits in the queue holding its KV blocks, and decodes from its first token on."""
+        Its samples wait in the queue sharing the prompt's KV blocks, and decode from their first tokens on."""
         request_id = request_id or f"req-{next(self._request_ids)}"
-        matcher = self.grammars.matcher(params.structured) if params.structured is not None else None  # before any block is taken
-        seq = kv_transfer.import_prefilled(self, payload, params, request_id)
-        seq.matcher = matcher  # the grammar from its start: the first token below advances it as on the prefill side
-        if seq.prompt_logprobs is not None and payload.prompt_logprobs is not None:
-            seq.prompt_logprobs = list(payload.prompt_logprobs)  # computed by the prefill side
-        self.requests[request_id] = [seq]
-        self._append(seq, payload.first_token, payload.first_logprob, payload.first_top_logprobs)
-        if not seq.is_finished:
-            self.scheduler.add([seq])
+        assert request_id not in self.requests, f"duplicate request id {request_id}"
+        structured = params.structured
+        # The grammars before any block is taken: each sample's own state, advanced by its first token below.
+        matchers = [self.grammars.matcher(structured) if structured is not None else None for _ in range(params.n)]
+        seqs = kv_transfer.import_prefilled(self, payload, params, request_id)
+        self.requests[request_id] = seqs
+        for seq, first, matcher in zip(seqs, payload.samples, matchers):
+            seq.matcher = matcher
+            self._append(seq, first.token, first.logprob, first.top_logprobs)
+        self.scheduler.add([s for s in seqs if not s.is_finished])  # room checked by import_prefilled
         return request_id
 
     def live_sequences(self) -> list[Sequence]:
@@ -397,7 +419,5 @@ class LLMEngine:
         if isinstance(items, dict):
             items = items.items()
         loaded = self.runner.update_weights(items)
-        self.block_manager.hash_to_block.clear()
-        for block in self.block_manager.blocks:
-            block.hash, block.token_ids = None, []
+        self.block_manager.clear_prefix_cache()
         return loaded

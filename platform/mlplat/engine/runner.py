@@ -15,6 +15,7 @@ from transformers import AutoConfig
 from mlplat.engine import cpu, cpu_kernels, flex
 from mlplat.engine.config import EngineConfig
 from mlplat.engine.cuda_graph import DecodeGraphs
+from mlplat.engine.lora import LoRAManager, enable_lora_
 from mlplat.engine.model import AttentionMetadata, CausalLM, head_dim, hf_state_dict_to_engine
 from mlplat.engine.quant import quantize_int8_
 from mlplat.engine.sequence import Sequence
@@ -81,6 +82,10 @@ class ModelRunner:
         if cfg.quantization == "int8":
             quantize_int8_(self.model)
         self.model.eval()
+        self.lora: LoRAManager | None = None  # cfg.lora: adapter slots wrapped around the projections, whatever linear is in place
+        if cfg.lora is not None:
+            context, modules = enable_lora_(self.model, cfg.lora, self.device, self.dtype)
+            self.lora = LoRAManager(cfg.lora, context, modules, self.dtype)
 
         c = self.hf_config
         self.block_size = cfg.block_size
@@ -154,6 +159,7 @@ class ModelRunner:
         decodes = sorted((i for i, (_, n) in enumerate(batch) if n == 1), key=lambda i: -len(batch[i][0]))
         order = decodes + [i for i, (_, n) in enumerate(batch) if n != 1]
         input_ids, positions, slots, query_lens, context_lens, tables, ends = [], [], [], [], [], [], {}
+        lora_slots = []  # each new token's adapter slot (-1: base model)
         bs = self.block_size
         max_blocks = max(len(seq.block_table) for seq, _ in batch)
         for i in order:
@@ -167,10 +173,14 @@ class ModelRunner:
             context_lens.append(start + n)
             tables.append(table + [0] * (max_blocks - len(table)))
             ends[i] = len(input_ids)
+            if self.lora is not None:
+                lora_slots += [seq.lora_slot] * n
         logits_indices = []
         for i in range(len(batch)):
             logits_indices += range(ends[i] - (num_logits[i] if num_logits else 1), ends[i])
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        if self.lora is not None:
+            self.lora.context.set_step(lora_slots)
         meta = self.attention_metadata(as_tensor(slots), query_lens, as_tensor(context_lens), as_tensor(tables))
         return as_tensor(input_ids), as_tensor(positions), meta, as_tensor(logits_indices)
 
@@ -211,3 +221,9 @@ class ModelRunner:
 
     def write_kv(self, block_table: list[int], kv: torch.Tensor) -> None:
         self.kv_cache.flatten(2, 3)[:, :, self._slots(block_table, kv.shape[2])] = kv.to(self.device, self.dtype)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy each (source, destination) block's KV, every layer (copy-on-write of a block that samples share)."""
+        if pairs:
+            src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*pairs))
+            self.kv_cache[:, :, dst] = self.kv_cache.index_select(2, src)

@@ -49,6 +49,9 @@ class SamplingParams(Config):
     # with this many top alternatives per position; None: not computed. vLLM's prompt_logprobs, for echo + logprobs.
     prompt_logprobs: int | None = Field(None, ge=0)
     structured: StructuredOutputs | None = None  # a grammar the output must follow (engine.structured)
+    # The LoRA adapter to run this request through, by the name the engine knows it (EngineConfig.lora.adapters); None: the
+    # base model. Not a sampling control, but it travels with them through every path (PD handoffs included).
+    lora_name: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "SamplingParams":

@@ -13,6 +13,7 @@ from collections import deque
 
 from mlplat.engine.block_manager import BlockManager
 from mlplat.engine.config import EngineConfig
+from mlplat.engine.lora import LoRAManager
 from mlplat.engine.sequence import Sequence, Status
 
 
@@ -21,11 +22,13 @@ class QueueFullError(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, block_manager: BlockManager):
+    def __init__(self, cfg: EngineConfig, block_manager: BlockManager, lora: LoRAManager | None = None):
         self.max_num_seqs = cfg.max_num_seqs
         self.max_num_batched_tokens = cfg.max_num_batched_tokens
         self.max_waiting = cfg.max_waiting
+        self.max_num_prefills = cfg.max_num_prefills
         self.block_manager = block_manager
+        self.lora = lora  # adapter slots: a sequence with an adapter runs only while its adapter holds a slot
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -72,6 +75,7 @@ class Scheduler:
         if preempted:
             return scheduled  # no admissions in a step that had to evict
         skipped: list[Sequence] = []
+        prefilling = sum(s.num_computed_tokens < s.num_prompt_tokens for s in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             leader = seq.leader
@@ -79,7 +83,13 @@ class Scheduler:
                 # n > 1: wait until sample 0 has computed the prompt, then share its cached blocks.
                 skipped.append(self.waiting.popleft())
                 continue
+            if seq.params.lora_name is not None and not self.lora.can_pin(seq.params.lora_name):
+                # every adapter slot is held by running sequences of other adapters: wait for one to finish
+                skipped.append(self.waiting.popleft())
+                continue
             fresh = seq.num_computed_tokens == 0  # not an imported (prefilled) sequence
+            if fresh and self.max_num_prefills is not None and prefilling >= self.max_num_prefills:
+                break  # it waits for a prompt in progress to finish (EngineConfig.max_num_prefills)
             # A prompt whose log-probs are asked for is computed whole: cached positions would have no logits.
             cached = self.block_manager.cached_prefix(seq) if fresh and not seq.needs_prompt_logprobs else []
             n = min(len(seq) - len(cached) * self.block_manager.block_size - seq.num_computed_tokens, budget)
@@ -88,10 +98,13 @@ class Scheduler:
                     break
                 continue  # the head again, with the blocks taken back
             self.waiting.popleft()
+            if seq.params.lora_name is not None:
+                seq.lora_slot = self.lora.pin(seq.params.lora_name)
             seq.status = Status.RUNNING
             self.running.append(seq)
             scheduled.append((seq, n))
             budget -= n
+            prefilling += fresh
         self.waiting.extendleft(reversed(skipped))
         return scheduled
 
@@ -109,7 +122,13 @@ class Scheduler:
         self.num_preemptions += 1
         return True
 
+    def _unpin_lora(self, seq: Sequence) -> None:
+        if seq.lora_slot >= 0:
+            self.lora.unpin(seq.params.lora_name)
+            seq.lora_slot = -1
+
     def _preempt(self, seq: Sequence) -> None:
+        self._unpin_lora(seq)
         self.block_manager.free_sequence(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -118,6 +137,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+        self._unpin_lora(seq)
         self.block_manager.free_sequence(seq)
         self.running.remove(seq)
 
@@ -127,6 +147,7 @@ class Scheduler:
         for seq in aborted:
             if seq.status == Status.RUNNING:
                 self.running.remove(seq)
+                self._unpin_lora(seq)
             else:
                 self.waiting.remove(seq)
             self.block_manager.free_sequence(seq)

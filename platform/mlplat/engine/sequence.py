@@ -43,6 +43,7 @@ class Sequence:
         self.leader: Sequence | None = None  # n > 1: sample 0, whose prefill the others reuse
         self.on_finish: Callable[[Sequence], None] | None = None  # called as it finishes, before its blocks are freed
         self.matcher = None  # params.structured: this sample's grammar state (an llguidance LLMatcher)
+        self.lora_slot = -1  # params.lora_name: its adapter's slot while running (the scheduler pins it); -1: none
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -128,7 +128,8 @@ def build_drafter(cfg: EngineConfig, target_vocab_size: int):
         raise ValueError("speculative.draft_model is required for method 'draft_model'")
     from mlplat.engine.runner import ModelRunner
 
-    runner = ModelRunner(cfg.model_copy(update={"model": spec.draft_model, "speculative": None, "quantization": None}))
+    # the draft proposes from the base model: the target's adapters (cfg.lora) are checked in its verify step
+    runner = ModelRunner(cfg.model_copy(update={"model": spec.draft_model, "speculative": None, "quantization": None, "lora": None}))
     if runner.hf_config.vocab_size != target_vocab_size:
         raise ValueError(
             f"draft model vocab ({runner.hf_config.vocab_size}) differs from the target's "

@@ -38,7 +38,9 @@ class AdmissionLimits:
 def admission_limits(cfg: ServeConfig, engine: EngineConfig) -> AdmissionLimits:
     per_engine = engine.max_num_seqs + engine.max_waiting
     serving = cfg.colocated if cfg.mode == "colocated" else cfg.decode  # where sequences live until they finish
-    per_ingress = math.ceil(per_engine * serving.num_replicas / cfg.ingress.num_replicas)
+    # An autoscaled pool counts at its largest: below it, what the replicas cannot take yet waits in Serve's
+    # queue, and that queue is the load Serve scales the pool on.
+    per_ingress = math.ceil(per_engine * serving.max_replicas / cfg.ingress.num_replicas)
     limits = AdmissionLimits(
         engine_sequences=per_engine,
         engine_max_ongoing_requests=per_engine,

@@ -23,8 +23,9 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from itertools import count
 
-from mlplat.engine import EngineConfig, LLMEngine, QueueFullError, RequestFailedError, SamplingParams
+from mlplat.engine import EngineConfig, LLMEngine, QueueFullError, RequestFailedError, SamplingParams, kv_transfer
 from mlplat.engine.engine import FaultHook
 from mlplat.engine.kv_transfer import KVPayload
 
@@ -74,6 +75,7 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        self._prefill_ids = count()
         self.dead_reason: str | None = None  # set once, when the loop stops on a fault
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -96,19 +98,45 @@ class AsyncEngine:
         async for delta in self._stream(("add_prefilled", payload, params, request_id), request_id, deadline):
             yield delta
 
-    async def prefill(self, prompt_ids: list[int], params: SamplingParams) -> KVPayload:
+    async def prefill(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                      deadline: float | None = None) -> KVPayload:  # fmt: skip
+        """A prompt's KV payload with its ``params.n`` samples' first tokens. The prompt is a request in the loop's
+        continuous batch like any other (kv_transfer.add_export): the loop steps on while it waits or prefills, and the
+        step that finishes it hands the payload over. Cancelling the caller aborts it."""
         await self._compile(params)
-        return await self._call("prefill", prompt_ids, params)
+        request_id = request_id or f"prefill-{next(self._prefill_ids)}"
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), deadline)
+        self._streams[request_id] = stream
+        admitted, item = False, None
+        try:
+            await self._call("export", prompt_ids, params, request_id)  # raises QueueFullError / ValueError at admission
+            admitted = True
+            item = await stream.queue.get()
+        finally:
+            self._streams.pop(request_id, None)
+            if admitted and item is None:
+                self._submit("abort", request_id)  # the caller went away: free the blocks now
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
     async def _compile(self, params: SamplingParams) -> None:
         """A constrained request's grammar, compiled (or found cached) here, off the engine loop and under its time
-        limit, so the loop's add_request only copies a cached matcher; ValueError for a bad or slow grammar."""
+        limit, so the loop's add_request only copies a cached matcher; ValueError for a bad or slow grammar. Likewise a
+        LoRA request's adapter, read from disk and checked on its first use here rather than in the loop."""
         if params.structured is not None:
             grammars = await asyncio.to_thread(lambda: self.engine.grammars)  # the first use wraps the tokenizer (~1 s)
             await grammars.compile_async(params.structured)
+        lora = self.engine.runner.lora
+        if params.lora_name is not None and lora is not None and params.lora_name not in lora.host:
+            await asyncio.to_thread(lora.adapter, params.lora_name)  # the loop's check then finds it read (a race reads it twice)
 
     async def stats(self) -> dict:
         return await self._call("stats")
+
+    async def kv_events(self, snapshot: bool = False) -> tuple[list[int] | None, list]:
+        """The prefix cache's block events since the last call, or a snapshot (``BlockManager.take_kv_events``)."""
+        return await self._call("kv_events", snapshot)
 
     async def set_fault_hook(self, hook: FaultHook | None) -> None:
         """Tests only: see ``mlplat.engine.engine.FaultHook``."""
@@ -211,13 +239,16 @@ class AsyncEngine:
             engine.add_prefilled(payload, params, request_id)
             self._publish([])  # the first token is already there
             return request_id
-        if op == "prefill":
-            return engine.prefill(*args)
+        if op == "export":
+            prompt_ids, params, request_id = args
+            return kv_transfer.add_export(engine, prompt_ids, params, request_id)
         if op == "abort":
             return engine.abort(*args)
         if op == "fault_hook":
             engine.fault_hook = args[0]
             return None
+        if op == "kv_events":
+            return engine.block_manager.take_kv_events(*args)
         if op == "stats":
             bm = engine.block_manager
             return {
@@ -229,6 +260,7 @@ class AsyncEngine:
                 "running": len(engine.scheduler.running),
                 "spec_acceptance": engine.spec_acceptance_rate,
                 "steps": engine.num_steps,
+                "kv_cached_blocks": len(bm.hash_to_block),
             }
         raise ValueError(f"unknown op {op}")
 
@@ -239,6 +271,9 @@ class AsyncEngine:
                 continue
             if out.error is not None:
                 self._deliver(stream, out.error)
+                continue
+            if out.kv_payload is not None:  # a prefill-only request (AsyncEngine.prefill)
+                self._deliver(stream, out.kv_payload)
                 continue
             for o in out.outputs:
                 sent = stream.delivered.get(o.index, 0)
@@ -253,8 +288,9 @@ class AsyncEngine:
                 sent = stream.delivered.get(seq.sample_index, 0)
                 if seq.is_finished or seq.num_output_tokens <= sent:
                     continue
-                # Hold back the newest token: it may be a stop token, which is not output.
-                upto = seq.num_output_tokens - 1
+                # Every token so far, the newest too: a stop token or stop string finishes its sequence in the step
+                # that appends it (the finished outputs above cut those), so a running sequence's tokens are final.
+                upto = seq.num_output_tokens
                 if upto > sent:
                     stream.delivered[seq.sample_index] = upto
                     top = seq.output_top_logprobs[sent:upto] if seq.params.top_logprobs else None

@@ -6,20 +6,71 @@ import difflib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from mlplat.config import Config
 from mlplat.serve.auth import AuthConfig
 
 
+class AutoscalingConfig(Config):
+    """Serve's request-based autoscaler for one pool, with Serve's field names and defaults
+    (ray.serve.config.AutoscalingConfig). Each pool scales on its own load: Serve adds replicas while
+    the pool's ongoing + queued requests per replica stay above ``target_ongoing_requests`` for
+    ``upscale_delay_s``, and removes them while below it for ``downscale_delay_s``; a replica being
+    removed takes no new requests and finishes the ones it has (draining) before it stops."""
+
+    min_replicas: int = Field(1, ge=0)  # 0 scales to zero: the next request then waits for a replica to start
+    max_replicas: int = Field(ge=1)  # what the cluster and the ingress's admission limits are sized for
+    initial_replicas: int | None = Field(None, ge=0)  # at deploy time (default: min_replicas)
+    target_ongoing_requests: float = Field(2.0, gt=0)  # per replica
+    upscale_delay_s: float = Field(30.0, ge=0)
+    downscale_delay_s: float = Field(600.0, ge=0)
+    # How often callers report the pool's load, and the window Serve averages it over. Serve marks
+    # metrics_interval_s deprecated (for env vars) but Ray 2.60 still reads it as the push interval.
+    metrics_interval_s: float = Field(10.0, gt=0)
+    look_back_period_s: float = Field(30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AutoscalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas}): raise max_replicas")
+        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            raise ValueError(f"initial_replicas ({self.initial_replicas}) must lie within min_replicas ({self.min_replicas}) "
+                             f"and max_replicas ({self.max_replicas})")
+        # Serve only warns; its average would then hold one report at most
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError(f"look_back_period_s ({self.look_back_period_s:g}) must exceed "
+                             f"metrics_interval_s ({self.metrics_interval_s:g})")
+        return self
+
+
 class ReplicaConfig(Config):
-    num_replicas: int = Field(1, ge=1)
+    num_replicas: int = Field(1, ge=1)  # a fixed pool; or `autoscaling` below, not both
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict)  # custom Ray resources, e.g. {prefill: 1} to pin replicas to a node group
     # Serve calls each replica's check_health this often; a replica whose engine stopped fails it and is replaced.
     health_check_period_s: float = Field(10.0, gt=0)
     health_check_timeout_s: float = Field(30.0, gt=0)
+    autoscaling: AutoscalingConfig | None = None  # engine pools only (prefill, decode, colocated)
+
+    @model_validator(mode="after")
+    def _fixed_or_autoscaled(self) -> ReplicaConfig:
+        if self.autoscaling is not None and "num_replicas" in self.model_fields_set:
+            raise ValueError("num_replicas and autoscaling both set: keep num_replicas for a fixed pool, "
+                             "or autoscaling.min_replicas/max_replicas for a scaled one")
+        return self
+
+    @property
+    def max_replicas(self) -> int:
+        """The most replicas this pool runs: what the cluster and the admission limits must allow for."""
+        return self.autoscaling.max_replicas if self.autoscaling else self.num_replicas
+
+    def scaling_options(self) -> dict[str, Any]:
+        """Serve deployment options for the replica count: ``num_replicas`` or ``autoscaling_config``."""
+        if self.autoscaling is None:
+            return {"num_replicas": self.num_replicas}
+        return {"autoscaling_config": self.autoscaling.model_dump(exclude_none=True)}
 
 
 # The KV connectors Ray Serve LLM documents for prefill/decode and registers a backend for
@@ -31,12 +82,16 @@ NATIVE_ONLY_HINTS = {
     "engine_args": "with engine: vllm put vLLM's engine arguments in vllm.engine_kwargs",
     "default_max_tokens": "with engine: vllm clients set max_tokens (without it vLLM may generate up to the context length)",
     "prefill_router": "with engine: vllm Ray Serve LLM routes requests itself",
+    "colocated_router": "with engine: vllm Ray Serve LLM routes requests itself",
     "request_timeout_s": "with engine: vllm set Serve's http_options.request_timeout_s or a gateway timeout",
     "limits": "with engine: vllm set vLLM's own limits in vllm.engine_kwargs (e.g. max_logprobs)",
 }
 
 # Ray Serve LLM derives these from the rest of the config (and refuses the first two in engine_kwargs).
-ENGINE_KWARGS_SET_BY_MLPLAT = {"model": "model", "served_model_name": "model_name", "kv_transfer_config": "vllm.kv_connector"}
+ENGINE_KWARGS_SET_BY_MLPLAT = {"model": "model", "served_model_name": "model_name", "kv_transfer_config": "vllm.kv_connector",
+                               "enable_lora": "lora", "max_loras": "lora.max_loras", "max_lora_rank": "lora.max_lora_rank"}
+# Where Ray Serve LLM downloads LoRA adapters from (LoraConfig.dynamic_lora_loading_path accepts only these).
+REMOTE_STORAGE = ("s3://", "gs://", "abfss://", "azure://")
 
 
 class VLLMConfig(Config):
@@ -50,6 +105,16 @@ class VLLMConfig(Config):
     kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)  # to the connector, e.g. {backends: [UCX]} for NIXL
     accelerator_type: str | None = None  # the GPU type replicas must run on, as Ray names it: H100, H200, A100-80G, L4, ...
     runtime_env: dict[str, Any] = Field(default_factory=dict)  # of replicas and engine workers, e.g. {env_vars: {UCX_TLS: all}}
+    # With a lora section: the cloud storage folder holding one directory per adapter, which Ray Serve LLM
+    # downloads on first use; clients ask for an adapter as `MODEL_ID:ADAPTER` (MODEL_ID: model_name).
+    dynamic_lora_loading_path: str | None = None
+
+    @field_validator("dynamic_lora_loading_path")
+    @classmethod
+    def _remote_adapter_store(cls, path: str | None) -> str | None:
+        if path is not None and not path.startswith(REMOTE_STORAGE):
+            raise ValueError(f"{path!r}: Ray Serve LLM loads adapters from {', '.join(REMOTE_STORAGE)} only: upload them there")
+        return path
 
     @field_validator("engine_kwargs")
     @classmethod
@@ -74,11 +139,12 @@ class VLLMConfig(Config):
     @field_validator("accelerator_type")
     @classmethod
     def _known_accelerator(cls, name: str | None) -> str | None:
-        try:  # the list Ray Serve LLM's LLMConfig checks against (importable without vllm)
-            from ray.llm._internal.serve.core.configs.accelerators import AcceleratorType
-        except ImportError:  # moved in another Ray version: Ray's LLMConfig still checks it when the app is built
-            return name
-        known = {t.value for t in AcceleratorType if isinstance(t.value, str)} | {"A10"}  # Ray maps A10 to A10G
+        # Ray Serve LLM's LLMConfig accepts the constants of this public module (its AcceleratorType enumerates them);
+        # the package ray.util.accelerators re-exports only some of them (no H200, B200, A100-80G)
+        from ray.util.accelerators import accelerators
+
+        known = {value for key, value in vars(accelerators).items() if not key.startswith("_") and isinstance(value, str)}
+        known |= {"A10"}  # Ray maps A10 to A10G
         if name is not None and name not in known:
             close = difflib.get_close_matches(name, known, n=3)
             hint = f"did you mean {' or '.join(close)}?" if close else "e.g. H100, H200, A100-80G, L4 (ray.util.accelerators lists them)"
@@ -100,6 +166,25 @@ class RequestLimits(Config):
     max_tools: int = Field(64, ge=1)  # tools in one chat request
 
 
+class LoRAServingConfig(Config):
+    """LoRA adapters served on the base model: a request names one as its ``model``. The fields are vLLM's and Ray Serve
+    LLM's; the native engine takes them as EngineConfig.lora (engine.lora), with the adapters resolved to local files."""
+
+    max_loras: int = Field(4, ge=1)  # adapters resident per engine replica (LRU; loaded on first use), mixed in one batch
+    max_lora_rank: int = Field(16, ge=1)  # the largest rank accepted
+    # served name -> models:/NAME@ALIAS (registered with only the adapter, e.g. by the SFT recipe's lora.register_as: adapter)
+    # or a peft adapter directory
+    adapters: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("adapters")
+    @classmethod
+    def _names(cls, adapters: dict[str, str]) -> dict[str, str]:
+        for name, source in adapters.items():
+            if not name.strip() or not source.strip():
+                raise ValueError(f"adapters: {name!r}: {source!r}: give each adapter a name and a models:/ URI or directory")
+        return adapters
+
+
 class ServeConfig(Config):
     model: str  # local HF checkpoint directory or models:/NAME/VERSION|@ALIAS
     model_name: str | None = None  # the name clients pass as `model` (default: registry name or directory name)
@@ -110,9 +195,14 @@ class ServeConfig(Config):
     prefill: ReplicaConfig = ReplicaConfig()
     decode: ReplicaConfig = ReplicaConfig()
     colocated: ReplicaConfig = ReplicaConfig()
-    # engine: native, mode: pd: prefix_aware sends prompts sharing a prefix to the replica that caches it;
-    # round_robin takes the replicas in turn (no affinity): the benchmark's baseline, or for uniform traffic
-    prefill_router: Literal["prefix_aware", "round_robin"] = "prefix_aware"
+    # engine: native, mode: pd: how prompts are spread over prefill replicas (mlplat.serve.routing). kv_events:
+    # to the replica whose prefix cache holds the longest prefix of the prompt, as the replicas' block events
+    # report it (an index actor per pool of 2+ replicas); prefix_aware: a hash of the prompt's first 64
+    # tokens picks the replica; round_robin: in turn, no affinity (the benchmark's baseline, or uniform traffic)
+    prefill_router: Literal["kv_events", "prefix_aware", "round_robin"] = "kv_events"
+    # engine: native, mode: colocated: the same choice for colocated replicas, or power_of_two: Serve's
+    # default (the shorter queue of two random replicas), no affinity
+    colocated_router: Literal["kv_events", "prefix_aware", "round_robin", "power_of_two"] = "power_of_two"
     ingress: ReplicaConfig = ReplicaConfig(num_cpus=0.5)
     # engine: native: max_tokens of requests that give none; None: OpenAI's (chat: the rest of the context; completions: 16)
     default_max_tokens: int | None = Field(None, ge=1)
@@ -124,6 +214,7 @@ class ServeConfig(Config):
     tool_call_parser: Literal["hermes"] = "hermes"
     # engine: native: per-request limits (n, stop strings, logit_bias entries, top log-probs, prompts, tools)
     limits: RequestLimits = RequestLimits()
+    lora: LoRAServingConfig | None = None  # LoRA adapters on the base model, by name as the request's `model`; None: none
     # API keys (tenant:key in $MLPLAT_API_KEYS) and per-tenant rate limits. Validated even when left
     # at its default, because engine: vllm must say `enabled: false` (see _keys_need_the_native_ingress).
     auth: AuthConfig = Field(AuthConfig(), validate_default=True)
@@ -144,11 +235,20 @@ class ServeConfig(Config):
     # Settings one engine would silently ignore are errors. These validators see `mode` and `engine`
     # (declared above them) in info.data, and, but for `auth`, run only on fields the config sets.
 
-    @field_validator("engine_args", "default_max_tokens", "prefill_router", "request_timeout_s", "limits")
+    @field_validator("engine_args", "default_max_tokens", "prefill_router", "colocated_router", "request_timeout_s", "limits")
     @classmethod
     def _native_only(cls, value: Any, info: ValidationInfo) -> Any:
         if info.data.get("engine") == "vllm":
             raise ValueError(f"applies to engine: native only; {NATIVE_ONLY_HINTS[info.field_name]}")
+        return value
+
+    @field_validator("prefill_router", "colocated_router")
+    @classmethod
+    def _router_of_the_mode(cls, value: str, info: ValidationInfo) -> str:
+        mode = "pd" if info.field_name == "prefill_router" else "colocated"
+        if info.data.get("mode") != mode:
+            other = "colocated_router" if mode == "pd" else "prefill_router"
+            raise ValueError(f"routes mode: {mode} replicas; with mode: {info.data.get('mode')} set {other}")
         return value
 
     @field_validator("vllm")
@@ -169,6 +269,35 @@ class ServeConfig(Config):
             raise ValueError("with engine: vllm a replica has vllm.engine_kwargs.tensor_parallel_size x pipeline_parallel_size "
                              "GPUs, placed by Ray Serve LLM: leave num_gpus at 0")
         return replicas
+
+    @field_validator("lora")
+    @classmethod
+    def _vllm_loads_adapters_from_storage(cls, lora: LoRAServingConfig | None, info: ValidationInfo) -> LoRAServingConfig | None:
+        if lora is None or info.data.get("engine") != "vllm":
+            return lora
+        if lora.adapters:
+            raise ValueError("with engine: vllm Ray Serve LLM loads each adapter by name from vllm.dynamic_lora_loading_path "
+                             "(clients ask for MODEL_ID:ADAPTER) and reads no models:/ URIs or local directories: "
+                             "upload each adapter's directory there and leave lora.adapters empty")
+        if (vllm := info.data.get("vllm")) is not None and vllm.dynamic_lora_loading_path is None:
+            raise ValueError("with engine: vllm set vllm.dynamic_lora_loading_path: the s3:// (gs://, abfss://, azure://) "
+                             "folder that holds one directory per adapter")
+        return lora
+
+    @model_validator(mode="after")
+    def _adapter_store_needs_lora(self) -> ServeConfig:
+        if self.engine == "vllm" and self.vllm.dynamic_lora_loading_path and self.lora is None:
+            raise ValueError("vllm.dynamic_lora_loading_path serves adapters only with a lora section: add lora: {max_loras: N}")
+        return self
+
+    @field_validator("ingress")
+    @classmethod
+    def _fixed_ingress(cls, ingress: ReplicaConfig) -> ReplicaConfig:
+        # admission (and per-tenant rate) limits are split among a known number of ingress replicas
+        if ingress.autoscaling is not None:
+            raise ValueError("autoscaling applies to the engine pools (prefill, decode, colocated); the ingress splits admission "
+                             "and rate limits among a fixed number of replicas: set ingress.num_replicas instead")
+        return ingress
 
     @field_validator("auth")
     @classmethod
@@ -194,17 +323,19 @@ def fit_to_cluster(cfg: ServeConfig, cluster_cpus: float, cluster_gpus: float = 
     GPUs the config sets, or more GPUs than the cluster has, raise ``ValueError`` naming what the app
     needs and what the cluster has, since waiting cannot help."""
     groups = replica_groups(cfg)
-    need_cpus = sum(g.num_replicas * g.num_cpus for g in groups.values())
-    need_gpus = sum(g.num_replicas * g.num_gpus for g in groups.values())
-    asked = ", ".join(f"{name} {g.num_replicas} x {g.num_cpus:g} CPU" + (f" + {g.num_gpus:g} GPU" if g.num_gpus else "") for name, g in groups.items())
+    need_cpus = sum(g.max_replicas * g.num_cpus for g in groups.values())  # an autoscaled pool at its largest
+    need_gpus = sum(g.max_replicas * g.num_gpus for g in groups.values())
+    asked = ", ".join(f"{name} {g.max_replicas} x {g.num_cpus:g} CPU" + (f" + {g.num_gpus:g} GPU" if g.num_gpus else "") for name, g in groups.items())
     if need_gpus > cluster_gpus:
-        raise ValueError(f"the app needs {need_gpus:g} GPUs ({asked}); the cluster has {cluster_gpus:g}: lower the replicas' num_gpus or num_replicas")
+        raise ValueError(f"the app needs {need_gpus:g} GPUs ({asked}); the cluster has {cluster_gpus:g}: "
+                         "lower the replicas' num_gpus or num_replicas (autoscaling.max_replicas)")
     if need_cpus <= cluster_cpus:
         return cfg, None
     fixed = [name for name, g in groups.items() if name in cfg.model_fields_set and "num_cpus" in g.model_fields_set]
     if fixed:
         raise ValueError(f"the app needs {need_cpus:g} CPUs ({asked}); the cluster has {cluster_cpus:g}: "
-                         f"lower {', '.join(f'{name}.num_cpus' for name in fixed)} or num_replicas, or add nodes")  # fmt: skip
+                         f"lower {', '.join(f'{name}.num_cpus' for name in fixed)} or num_replicas (autoscaling.max_replicas), "
+                         "or add nodes")  # fmt: skip
     scale = cluster_cpus / need_cpus
     update = {name: g.model_copy(update={"num_cpus": int(g.num_cpus * scale * 100) / 100}) for name, g in groups.items()}
     fitted = cfg.model_copy(update=update)

@@ -224,7 +224,7 @@ class _Output:
         self.num_choices = params.n * len(prompts)
         self.top = body.top_logprobs_asked()
         self.tools = chat and body.tools_active()
-        self.base = {"id": request_id, "created": now(), "model": ingress.model_name,
+        self.base = {"id": request_id, "created": now(), "model": body.model,  # the base model's name or an adapter's
                      "object": "chat.completion.chunk" if (chat and body.stream) else "chat.completion" if chat else "text_completion"}
         self.prompt_logprobs: dict[int, list] = {}  # prompt index -> [(log-prob, [(id, log-prob)])] of its tokens
         self.want_prompt_logprobs = params.prompt_logprobs is not None
@@ -369,10 +369,12 @@ class _Output:
 class OpenAIIngress:
     def __init__(self, model_dir: str, model_name: str, mode: str, default_max_tokens: int | None, max_model_len: int, vocab_size: int,
                  request_timeout_s: float, max_sequences_in_flight: int, gate: Gatekeeper, llm=None, prefill=None, decode=None,
-                 tool_call_parser: str = "hermes", limits: RequestLimits | None = None):  # fmt: skip
+                 tool_call_parser: str = "hermes", limits: RequestLimits | None = None,
+                 adapters: dict[str, str | None] | None = None):  # fmt: skip
         self.tokenizer = load_tokenizer(model_dir)
         self.tool_parser = get_parser(tool_call_parser)
         self.limits = limits or RequestLimits()
+        self.adapters = adapters or {}  # LoRA adapters by served name -> None, or why one cannot run on this model (a 400)
         self.generation_defaults = generation_defaults(model_dir)
         self.model_name, self.mode = model_name, mode
         self.default_max_tokens, self.max_model_len, self.vocab_size = default_max_tokens, max_model_len, vocab_size
@@ -397,7 +399,9 @@ class OpenAIIngress:
     @app.get("/v1/models")
     async def models(self, request: Request):
         self._authorize(request)
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": now(), "owned_by": "mlplat"}]}
+        card = {"object": "model", "created": now(), "owned_by": "mlplat"}
+        adapters = [{"id": name, **card, "parent": self.model_name} for name, refused in self.adapters.items() if refused is None]
+        return {"object": "list", "data": [{"id": self.model_name, **card}, *adapters]}  # adapters with their parent, as vLLM
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
@@ -457,8 +461,12 @@ class OpenAIIngress:
             raise APIError(d.status, d.message, code=d.code, headers=headers) from None
 
     def _check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise APIError(404, f"model {model!r} is not served here; available: [{self.model_name!r}]", "model", "model_not_found")
+        """404 for a model this server does not have; 400 for an adapter trained for another base model."""
+        if model != self.model_name and model not in self.adapters:
+            available = [self.model_name, *(n for n, refused in self.adapters.items() if refused is None)]
+            raise APIError(404, f"model {model!r} is not served here; available: {available}", "model", "model_not_found")
+        if self.adapters.get(model) is not None:
+            raise APIError(400, self.adapters[model], "model", "incompatible_adapter")
 
     async def _respond(self, body, prompts: list[list[int]], chat: bool, request: Request, echoes: list[str] | None = None):
         """One response (or SSE stream) for every prompt's ``n`` samples: choice i * n + j is prompt i's sample j."""
@@ -472,6 +480,8 @@ class OpenAIIngress:
             default_max_tokens = (self.default_max_tokens or self.generation_defaults.get("max_tokens")
                                   or (max(1, self.max_model_len - len(prompts[0])) if chat else 16))  # fmt: skip
             params = body.sampling_params(default_max_tokens, logprobs, self.generation_defaults, top, prompt_logprobs)
+            if body.model != self.model_name:  # a LoRA adapter's name (checked by _check_model): the engines apply it
+                params = params.model_copy(update={"lora_name": body.model})
         except ValidationError as err:  # fields valid alone, not together (e.g. min_tokens > max_tokens)
             first = err.errors()[0]
             param = ".".join(str(p) for p in first["loc"]) or None
@@ -561,25 +571,17 @@ class OpenAIIngress:
                     return APIError(status, message, code=code, headers={"Retry-After": "1"} if retry else None, reason=reason)
             if isinstance(cause, ValueError):  # the engine's checks (the innermost: Ray's wrapper is a ValueError too, with a traceback)
                 message = str(next((c for c in reversed(_causes(err)) if isinstance(c, ValueError)), cause))
-                return APIError(400, message, "structured_outputs" if message.startswith("structured_outputs:") else None)
+                param = "structured_outputs" if message.startswith("structured_outputs:") else None
+                param = "model" if message.startswith("adapter ") else param  # engine.lora: an adapter that does not fit
+                return APIError(400, message, param)
         log.error("request failed: %r", err)
         return APIError(500, f"internal error: {type(_causes(err)[-1]).__name__}")
 
     def _pipelines(self, prompts: list[list[int]], params, request_id: str, deadline: float) -> list[tuple[int, AsyncIterator[dict]]]:
-        """(first choice index, delta stream) per engine request: one per prompt with its n samples; in PD mode with
-        n > 1 one prefill->decode pipeline per sample (the prefill replica's prefix cache makes the repeats cheap)."""
-        pipes = []
-        for i, prompt_ids in enumerate(prompts):
-            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            if params.n == 1 or self.mode == "colocated":
-                pipes.append((i * params.n, self._one(prompt_ids, params, rid, deadline)))
-                continue
-            for j in range(params.n):
-                update = {"n": 1, "seed": None if params.seed is None else params.seed + j}
-                if j:
-                    update["prompt_logprobs"] = None  # the prompt's log-probs once, from sample 0's prefill
-                pipes.append((i * params.n + j, self._one(prompt_ids, params.model_copy(update=update), f"{rid}-{j}", deadline)))
-        return pipes
+        """(first choice index, delta stream) per engine request: one per prompt with its n samples. In PD mode that is one
+        prefill (the n first tokens drawn from its last logits) and one decode whose samples share the prompt's KV blocks."""
+        return [(i * params.n, self._one(prompt_ids, params, request_id if len(prompts) == 1 else f"{request_id}-{i}", deadline))
+                for i, prompt_ids in enumerate(prompts)]  # fmt: skip
 
     async def _generate(self, prompts: list[list[int]], params, request_id: str, deadline: float) -> AsyncIterator[dict]:
         """Every choice's deltas, merged into one stream with the request's choice indices."""
@@ -615,7 +617,7 @@ class OpenAIIngress:
         if self.mode == "colocated":
             stream = self.llm.options(stream=True).generate.remote(prompt_ids, p, request_id, deadline)
         else:
-            payload = self.prefill.prefill.remote(prompt_ids, p)  # a reference: not awaited here
+            payload = self.prefill.prefill.remote(prompt_ids, p, f"{request_id}-prefill", deadline)  # a reference: not awaited here
             stream = self.decode.options(stream=True).generate_prefilled.remote(payload, p, request_id, deadline)
         async for d in stream:
             yield d

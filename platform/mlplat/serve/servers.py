@@ -3,6 +3,7 @@ decode), prefill-only (returns KV payloads) and decode-only (imports them)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ from mlplat.engine.kv_transfer import KVPayload
 from mlplat.observability import catalogue as metrics
 from mlplat.observability.serving import record_engine_stats
 from mlplat.serve.async_engine import AsyncEngine, EngineDeadError
+from mlplat.serve.kv_index import publish_kv_events as kv_event_publisher
 
 log = logging.getLogger("mlplat.serve")
 ROLES = {"prefill": "prefill", "decode": "decode"}  # deployment name -> metrics role; any other name serves both: colocated
@@ -31,10 +33,14 @@ def _deployment_name() -> str:
 
 @serve.deployment  # limits and health checks: serve_apps.llm.build_app, from mlplat.serve.admission
 class EngineServer:
-    def __init__(self, engine_config: dict):
+    def __init__(self, engine_config: dict, publish_kv_events: bool = False):
         role = ROLES.get(_deployment_name(), "colocated")
         self.engine = AsyncEngine(EngineConfig(**engine_config), on_stats=partial(record_engine_stats, role=role))
         self.handoffs = {"count": 0, "bytes": 0, "latency_s": 0.0, "import_failures": 0}
+        if publish_kv_events:  # this pool is routed on its replicas' KV block events (mlplat.serve.kv_index)
+            context = serve.get_replica_context()
+            self._kv_publisher = asyncio.get_running_loop().create_task(
+                kv_event_publisher(self.engine.kv_events, context.app_name, context.deployment, context.replica_id.to_full_id_str()))
 
     def check_health(self) -> None:
         """Serve calls this every health_check_period_s: a replica whose engine loop stopped is replaced."""
@@ -55,8 +61,10 @@ class EngineServer:
         async for delta in self.engine.generate(prompt_ids, SamplingParams(**params), request_id, deadline):
             yield asdict(delta)
 
-    async def prefill(self, prompt_ids: list[int], params: dict) -> KVPayload:
-        return await self.engine.prefill(prompt_ids, SamplingParams(**params))
+    async def prefill(self, prompt_ids: list[int], params: dict, request_id: str | None = None,
+                      deadline: float | None = None) -> KVPayload:  # fmt: skip
+        """The prompt's KV and its n samples' first tokens, prefilled in the engine's batch beside every other request."""
+        return await self.engine.prefill(prompt_ids, SamplingParams(**params), request_id, deadline)
 
     async def generate_prefilled(self, payload: KVPayload, params: dict, request_id: str, deadline: float | None = None) -> AsyncIterator[dict]:
         """Decode from a prefill server's payload (resolved from the object store in this

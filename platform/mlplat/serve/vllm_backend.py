@@ -6,9 +6,11 @@ The ServeConfig that builds the native app translates into the args of Ray Serve
     mode: colocated  ray.serve.llm:build_openai_app     {llm_configs: [one], ingress_deployment_config}
 
 Each ``*_config`` is an LLMConfig as a dict: the model (a local HF directory, or a registry URI
-resolved to one, as for the native engine), ``vllm.engine_kwargs``, the role's replicas; in pd
-mode both roles carry a ``kv_transfer_config`` naming ``vllm.kv_connector``, through which a
-decode replica pulls the prompt's KV from the prefill replica (NIXL: GPU to GPU over UCX/RDMA).
+resolved to one, as for the native engine), ``vllm.engine_kwargs``, the role's replicas (fixed, or
+Serve's ``autoscaling_config``), LoRA slots and the adapters' storage; in pd mode both roles carry a
+``kv_transfer_config`` naming ``vllm.kv_connector``, through which a decode replica pulls the
+prompt's KV from the prefill replica (NIXL: GPU to GPU over UCX/RDMA). What Ray Serve LLM cannot
+express (adapters by registry URI or local directory, an autoscaled ingress) ServeConfig refuses.
 
 The translation is pure and imports neither vllm nor ``ray.serve.llm`` (which needs vllm), so it
 runs and is tested without GPUs; only ``build_vllm_app`` imports them. docs/serving.md says how to
@@ -55,7 +57,7 @@ def deployment_config(replicas: ReplicaConfig) -> dict[str, Any]:
         actor["num_gpus"] = replicas.num_gpus
     if replicas.resources:
         actor["resources"] = dict(replicas.resources)
-    options = {"num_replicas": replicas.num_replicas, "ray_actor_options": actor}
+    options = {**replicas.scaling_options(), "ray_actor_options": actor}  # num_replicas or autoscaling_config
     options |= {key: getattr(replicas, key) for key in ("health_check_period_s", "health_check_timeout_s") if key in replicas.model_fields_set}
     return options
 
@@ -66,6 +68,8 @@ def llm_config(cfg: ServeConfig, role: Role, model_dir: Path) -> dict[str, Any]:
     engine_kwargs = vllm["engine_kwargs"]
     if role != "colocated":
         engine_kwargs["kv_transfer_config"] = kv_transfer_config(cfg)
+    if cfg.lora is not None:  # vLLM's LoRA slots; ServeConfig requires vllm.dynamic_lora_loading_path with it
+        engine_kwargs |= {"enable_lora": True, "max_loras": cfg.lora.max_loras, "max_lora_rank": cfg.lora.max_lora_rank}
     config: dict[str, Any] = {
         "model_loading_config": {"model_id": cfg.served_name(model_dir), "model_source": str(model_dir)},
         "engine_kwargs": engine_kwargs,
@@ -75,6 +79,9 @@ def llm_config(cfg: ServeConfig, role: Role, model_dir: Path) -> dict[str, Any]:
         config["accelerator_type"] = cfg.vllm.accelerator_type
     if cfg.vllm.runtime_env:
         config["runtime_env"] = vllm["runtime_env"]
+    if cfg.lora is not None:  # adapters Ray Serve LLM downloads on first use and keeps per replica, LRU
+        config["lora_config"] = {"dynamic_lora_loading_path": cfg.vllm.dynamic_lora_loading_path,
+                                 "max_num_adapters_per_replica": cfg.lora.max_loras}  # fmt: skip
     return config
 
 

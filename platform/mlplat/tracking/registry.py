@@ -9,6 +9,7 @@ a download otherwise.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -45,15 +46,22 @@ def parse_model_uri(uri: str) -> ModelRef:
 def register_model_dir(run_id: str, local_dir: str | Path, name: str, alias: str | None = None, tracking_uri: str | None = None) -> ModelRef:
     """Log an HF checkpoint directory as the run's ``model`` artifact and register it as a new version."""
     validate_checkpoint_dir(local_dir)
+    return _register_version(run_id, local_dir, "model", name, "HF-format causal LM registered by mlplat", {}, alias, tracking_uri)
+
+
+def _register_version(run_id: str, local_dir: str | Path, artifact_path: str, name: str, description: str, tags: dict[str, str],
+                      alias: str | None, tracking_uri: str | None) -> ModelRef:  # fmt: skip
+    """Log ``local_dir`` as the run's ``artifact_path`` artifact and register it as a new version of ``name`` (created
+    with ``description`` if new), tagged ``tags``, under ``alias`` if given."""
     logger = RunLogger(run_id, tracking_uri)
-    logger.log_artifacts(local_dir, "model")
+    logger.log_artifacts(local_dir, artifact_path)
     client = logger.client
     try:
         client.get_registered_model(name)
     except MlflowException:
-        client.create_registered_model(name, description="HF-format causal LM registered by mlplat")
-    source = f"{client.get_run(run_id).info.artifact_uri}/model"
-    version = client.create_model_version(name, source=source, run_id=run_id)
+        client.create_registered_model(name, description=description)
+    source = f"{client.get_run(run_id).info.artifact_uri}/{artifact_path}"
+    version = client.create_model_version(name, source=source, run_id=run_id, tags=tags or None)
     if alias:
         client.set_registered_model_alias(name, alias, version.version)
     return ModelRef(name=name, version=str(version.version))
@@ -64,6 +72,50 @@ def resolve_model(model: str | Path, download_dir: str | Path | None = None, tra
     model = str(model)
     if not model.startswith("models:/"):
         return validate_checkpoint_dir(model)
+    return validate_checkpoint_dir(_version_dir(model, download_dir, tracking_uri)[0])
+
+
+# A version holding only a LoRA adapter (peft's files) records the base model it was trained on under this tag.
+BASE_MODEL_TAG = "mlplat.base_model"
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+class AdapterRef(BaseModel):
+    path: Path  # local directory with peft's adapter files
+    base_model: str | None = None  # what it was trained on: a models:/ URI or a path, as the training config named it
+
+
+def register_adapter_dir(run_id: str, adapter_dir: str | Path, name: str, base_model: str, alias: str | None = None,
+                         tracking_uri: str | None = None) -> ModelRef:  # fmt: skip
+    """Log a LoRA adapter directory as the run's ``adapter`` artifact and register it alone (no base weights) as a new
+    version of ``name``, tagged with the ``base_model`` it was trained on; serve it with ServeConfig.lora.adapters."""
+    adapter_dir = Path(adapter_dir)
+    missing = [f for f in ADAPTER_FILES if not (adapter_dir / f).is_file()]
+    if missing:
+        raise CheckpointError(f"{adapter_dir}: not a LoRA adapter directory ({', '.join(missing)} missing)")
+    return _register_version(run_id, adapter_dir, "adapter", name, "LoRA adapter (peft format) by mlplat; serve it on its base model",
+                             {BASE_MODEL_TAG: base_model}, alias, tracking_uri)  # fmt: skip
+
+
+def resolve_adapter(adapter: str | Path, download_dir: str | Path | None = None, tracking_uri: str | None = None) -> AdapterRef:
+    """A local LoRA adapter directory, and the base model it was trained on, for a path or a ``models:/`` URI."""
+    adapter = str(adapter)
+    if adapter.startswith("models:/"):
+        local, tags = _version_dir(adapter, download_dir, tracking_uri)
+        base = tags.get(BASE_MODEL_TAG)
+    else:
+        local, base = Path(adapter), None
+    missing = [f for f in ADAPTER_FILES if not (local / f).is_file()]
+    if missing:
+        hint = " (a merged model? serve it as `model`)" if (local / "config.json").is_file() else ""
+        raise CheckpointError(f"{adapter}: not a LoRA adapter ({', '.join(missing)} missing in {local}){hint}")
+    if base is None:  # a directory: what peft wrote
+        base = json.loads((local / ADAPTER_FILES[0]).read_text()).get("base_model_name_or_path")
+    return AdapterRef(path=local, base_model=base)
+
+
+def _version_dir(model: str, download_dir: str | Path | None, tracking_uri: str | None) -> tuple[Path, dict[str, str]]:
+    """The local directory of a ``models:/`` URI's version (its artifacts; downloaded unless the store is local) and its tags."""
     ref = parse_model_uri(model)
     client = MlflowClient(tracking_uri or default_tracking_uri())
     try:
@@ -87,4 +139,4 @@ def resolve_model(model: str | Path, download_dir: str | Path | None = None, tra
     else:
         dst = Path(download_dir) if download_dir else None
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=dst, tracking_uri=client.tracking_uri))
-    return validate_checkpoint_dir(local)
+    return local, dict(version.tags or {})

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 from mlplat import collectives
 from mlplat.data.loader import DataPosition
 from mlplat.errors import CheckpointError
-from mlplat.train.lora import is_lora, merge_and_export
+from mlplat.train.lora import is_lora, merge_and_export, save_adapter_from_state
 from mlplat.train.parallel import full_state_dict, load_sharded, save_sharded, unwrap
 
 if TYPE_CHECKING:
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 CheckpointFormat = Literal["sharded", "consolidated"]
 MODEL_DIR = "model"  # the HF export, servable as-is
+ADAPTER_DIR = "adapter"  # beside it, with LoRA: the adapter alone (peft's files), servable by name on the base model
 TRAIN_STATE = "train_state.pt"
 FULL_STATE = "full_state.pt"
 SHARDED_DIR = "sharded"
@@ -135,6 +136,7 @@ def export_hf_model(out_dir: Path, model: torch.nn.Module, tokenizer=None) -> No
     hf_model = unwrap(model)
     if is_lora(hf_model):  # LoRA: adapters merged into the base weights, a plain HF checkpoint
         merge_and_export(hf_model, out_dir, tokenizer, state_dict=state)
+        save_adapter_from_state(hf_model, state, Path(out_dir).with_name(ADAPTER_DIR))
         return
     hf_model.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
     if tokenizer is not None:

@@ -12,7 +12,7 @@ import re
 import sys
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from pydantic import Field, field_validator
@@ -49,6 +49,10 @@ class LoRAConfig(Config):
         ],
         min_length=1,
     )
+    # What the run registers in MLflow (registered_model): "merged", a plain checkpoint with the adapter merged in (servable
+    # alone); "adapter", the adapter alone (peft's files, tagged with the base model), served by name on its base model
+    # (ServeConfig.lora). Checkpoints hold both either way.
+    register_as: Literal["merged", "adapter"] = "merged"
 
     @field_validator("target_modules")
     @classmethod
@@ -240,6 +244,17 @@ def save_adapter(model: nn.Module, out_dir: str | Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     _peft_model(model).peft_config[ADAPTER].save_pretrained(str(out_dir))
     save_file(state, out_dir / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    return out_dir
+
+
+def save_adapter_from_state(model: nn.Module, state: dict[str, torch.Tensor], out_dir: str | Path) -> Path:
+    """Write the adapter as :func:`save_adapter` does, from a full state dict of the ``PeftModel`` (e.g. gathered under
+    FSDP2 by ``parallel.full_state_dict``): call it on one rank."""
+    out_dir = Path(out_dir)
+    adapter = {_saved_key(k): v.detach().to("cpu") for k, v in state.items() if _ADAPTER_KEY.search(k)}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _peft_model(model).peft_config[ADAPTER].save_pretrained(str(out_dir))
+    save_file(adapter, out_dir / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     return out_dir
 
 

@@ -32,9 +32,9 @@ from mlplat.errors import CheckpointError, ConfigError
 from mlplat.health.marking import accepted_worker_resources
 from mlplat.observability import catalogue
 from mlplat.runtime import init_ray
-from mlplat.tracking import ModelRef, RunLogger, register_model_dir, resolve_model, start_run
+from mlplat.tracking import ModelRef, RunLogger, register_adapter_dir, register_model_dir, resolve_model, start_run
 from mlplat.tracking.runs import default_tracking_uri
-from mlplat.train.checkpoint import MODEL_DIR, TRAIN_STATE, read_train_state
+from mlplat.train.checkpoint import ADAPTER_DIR, MODEL_DIR, TRAIN_STATE, read_train_state
 from mlplat.train.data_workers import warm_data_workers
 from mlplat.train.loop import RecipeConfig
 from mlplat.train.perf import measure_cpu_peak_flops
@@ -197,11 +197,17 @@ class RecipeRun:
         final_dir = self.work_dir / self.run_id / "final"
         with result.checkpoint.as_directory() as ckpt:
             shutil.copytree(Path(ckpt) / MODEL_DIR, final_dir, dirs_exist_ok=True)
+            if (Path(ckpt) / ADAPTER_DIR).is_dir():  # LoRA: the adapter alone too
+                shutil.copytree(Path(ckpt) / ADAPTER_DIR, final_dir.with_name(ADAPTER_DIR), dirs_exist_ok=True)
         checkpoints = [{"path": c.path, "step": m.get("step"), "loss": m.get("loss")} for c, m in result.best_checkpoints]
         self.logger.log_dict({"checkpoints": checkpoints, "latest": result.checkpoint.path}, "checkpoints.json")
         self.logger.set_tags({"mlplat.checkpoint.latest": result.checkpoint.path})
         version = None
-        if self.cfg.registered_model:
+        lora = getattr(self.cfg, "lora", None)
+        if self.cfg.registered_model and lora is not None and lora.register_as == "adapter":  # served on its base model by name
+            version = register_adapter_dir(self.run_id, final_dir.with_name(ADAPTER_DIR), self.cfg.registered_model, self.cfg.model,
+                                           self.cfg.registered_alias, self.tracking_uri)  # fmt: skip
+        elif self.cfg.registered_model:
             version = register_model_dir(self.run_id, final_dir, self.cfg.registered_model, self.cfg.registered_alias, self.tracking_uri)
         else:
             self.logger.log_artifacts(final_dir, "model")
