@@ -28,12 +28,10 @@ install-dev: $(VENV)/.installed-dev
 quickstart: install
 	$(BIN)/mlplat quickstart
 
-# Two pytest-xdist workers: the tests on the session's Ray cluster run in file order on one (tests/conftest.py
-# groups them), everything else on the other, which fills the time the first spends waiting on Ray.
 test: install-dev kernels prometheus redis
-	$(BIN)/python -m pytest -q -ra -n 2 --dist loadgroup --durations=25
+	$(BIN)/python -m pytest -q -ra --durations=25
 
-# The unit tests alone: no Ray cluster, no end-to-end runs (under 2 minutes on 2 cores).
+# The unit tests alone, on two pytest-xdist workers: no Ray cluster, no end-to-end runs (under 2 minutes on 2 cores).
 test-fast: install-dev
 	$(BIN)/python -m pytest -q -ra -n 2 -m "not cluster and not slow"
 

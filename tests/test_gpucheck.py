@@ -23,13 +23,13 @@ CUDA_ONLY = {"cuda_graphs", "rooflines", "nccl_collectives"}
 def test_cpu_quick_run_passes_every_cpu_check_and_skips_only_the_cuda_ones(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "platform"), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-m", "mlplat.gpucheck", "--out", str(tmp_path), "--device", "cpu", "--quick",
-                           "--timeout-scale", "3"],  # the checks' budgets are a GPU's; here the suite's other worker shares the cores
+                           "--timeout-scale", "3"],  # the checks' budgets are a GPU's; 2 busy CPU cores need more
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     report = json.loads((tmp_path / "gpucheck.json").read_text())
     failed = {name: r.get("problems") for name, r in report["checks"].items() if r["status"] not in ("passed", "skipped")}
     assert done.returncode == 0 and not failed, f"{failed}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     assert done.stdout.startswith("versions: ")  # versions first, before any check
-    assert report["passed"] and report["settings"] == {"device": "cpu", "quick": True, "only": None, "timeout_scale": 1.0}
+    assert report["passed"] and report["settings"] == {"device": "cpu", "quick": True, "only": None, "timeout_scale": 3.0}
     assert list(report["checks"]) == [c.name for c in CHECKS]
     assert {c.name for c in CHECKS if c.cuda_only} == CUDA_ONLY
     for name, result in report["checks"].items():
