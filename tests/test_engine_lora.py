@@ -65,9 +65,9 @@ def adapters(tiny_model, tmp_path_factory):
     return {"a1": a1, "a2": a2, "merged": root / "a1-merged", "foreign": foreign_adapter(a1, root / "foreign"), "big": big}
 
 
-def lora_engine(model, adapters, max_loras: int = 2, **kwargs) -> LLMEngine:
+def lora_engine(model, adapters, max_loras: int = 2, max_cpu_loras: int | None = None, **kwargs) -> LLMEngine:
     names = {n: str(adapters[n]) for n in ("a1", "a2", "foreign", "big")}
-    lora = MultiLoRAConfig(max_loras=max_loras, max_lora_rank=16, adapters=names)
+    lora = MultiLoRAConfig(max_loras=max_loras, max_lora_rank=16, max_cpu_loras=max_cpu_loras, adapters=names)
     return LLMEngine(EngineConfig(model=str(model), **ENGINE, **kwargs, lora=lora))
 
 
@@ -137,9 +137,41 @@ def test_lru_slots_evict_and_reload_with_the_same_output(tiny_model, adapters, s
     assert lora.num_slot_loads == 2 and list(lora.slots) == ["a2"]
     assert engine.generate([PROMPTS[1]], greedy("a1", 4))[0].outputs[0].token_ids == solo[(PROMPTS[1], "a1")][:4]  # evicts a2, reloads a1
     assert lora.num_slot_loads == 3 and list(lora.slots) == ["a1"]
+    # The host keeps max_cpu_loras (unset: max_loras, 1) adapters read: admission read a1 and a2 once each, and every
+    # slot load above read its adapter again.
+    assert list(lora.host) == ["a1"] and lora.num_reads == 5
     check_idle(engine)
     engine.update_weights(read_safetensors(Path(tiny_model)))  # checkpoint names still load into the wrapped linears
     assert engine.generate([PROMPTS[0]], greedy("a1", 4))[0].outputs[0].token_ids == solo[(PROMPTS[0], "a1")][:4]
+
+
+def test_the_host_keeps_max_cpu_loras_adapters_and_rereads_the_others(tiny_model, adapters, tmp_path):
+    import shutil
+
+    a3 = make_adapter(tiny_model, tmp_path / "a3", seed=4, r=4)
+    no_rank = shutil.copytree(adapters["a1"], tmp_path / "no_rank")  # a config that lost its rank: refused, not a KeyError
+    config = json.loads((no_rank / "adapter_config.json").read_text())
+    del config["r"]
+    (no_rank / "adapter_config.json").write_text(json.dumps(config))
+    names = {"a1": str(adapters["a1"]), "a2": str(adapters["a2"]), "a3": str(a3), "no_rank": str(no_rank)}
+    lora_cfg = MultiLoRAConfig(max_loras=1, max_lora_rank=16, max_cpu_loras=2, adapters=names)
+    engine = LLMEngine(EngineConfig(model=str(tiny_model), **ENGINE, lora=lora_cfg))
+    lora = engine.runner.lora
+    for name in ["a1", "a2", "a1", "a2"]:  # both fit on the host: read once each, however often the one slot turns over
+        engine.generate([PROMPTS[0]], greedy(name, 2))
+    assert (lora.num_reads, lora.num_slot_loads, list(lora.host)) == (2, 4, ["a1", "a2"])
+    engine.generate([PROMPTS[0]], greedy("a3", 2))  # a third: the least recently used (a1) leaves the host
+    assert (lora.num_reads, list(lora.host)) == (3, ["a2", "a3"])
+    engine.generate([PROMPTS[0]], greedy("a1", 2))  # read again
+    assert (lora.num_reads, list(lora.host)) == (4, ["a3", "a1"])
+    with pytest.raises(ValueError, match="lacks 'r'"):
+        lora.check("no_rank")
+    with pytest.raises(ValueError, match="lacks 'r'"):
+        lora.pin("no_rank")
+    assert list(lora.slots) == ["a1"], "a failed read evicted the resident adapter"
+    check_idle(engine)
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        MultiLoRAConfig(max_loras=2, max_cpu_loras=1)
 
 
 @pytest.mark.parametrize("linears", [{"cpu_packed_weights": False}, {"quantization": "int8"}])

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import random
+import tempfile
 import time
 
 import httpx
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlplat.engine import SamplingParams
 from mlplat.engine.block_manager import BlockManager
+from mlplat.engine.config import KVTiersConfig
+from mlplat.engine.kv_tiers import HEADER, TieredKVCache
 from mlplat.engine.sequence import Sequence
 from mlplat.serve.kv_index import KVBlockIndex, kv_index_actor, prompt_block_hashes
 from mlplat.serve.routing import prefix_key, rank_by_cached_prefix, rank_prefill_replicas
@@ -34,8 +38,10 @@ ops = st.lists(
 def run_prompt(bm: BlockManager, tokens: list[int]) -> Sequence | None:
     seq = Sequence("r", tokens, SamplingParams())
     cached = bm.cached_prefix(seq)
+    tiered = bm.tiered_prefix(seq, cached)  # with tiers (engine.kv_tiers): blocks loaded back from them
     if not bm.allocate_slots(seq, len(seq) - len(cached) * BLOCK, cached):
         return None
+    bm.load_tiered_prefix(seq, tiered)
     seq.num_computed_tokens = len(seq)
     bm.cache_full_blocks(seq)
     return seq
@@ -44,7 +50,26 @@ def run_prompt(bm: BlockManager, tokens: list[int]) -> Sequence | None:
 @settings(max_examples=150, deadline=None)
 @given(ops, st.integers(3, 8))
 def test_the_index_holds_what_the_event_stream_implies_and_a_gap_forces_a_resync(script, num_blocks):
-    bm, index, held, seq_no, resync = BlockManager(num_blocks, BLOCK), KVBlockIndex(), [], 0, True
+    check_the_index_follows(BlockManager(num_blocks, BLOCK), script)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops, st.integers(3, 8), st.integers(1, 3), st.sampled_from([0, 2, 5]))
+def test_the_index_also_knows_what_each_replica_holds_in_its_host_and_disk_tiers(script, num_blocks, host_blocks, disk_blocks):
+    kv_cache = torch.zeros(1, 2, num_blocks, BLOCK, 1, 1)  # one layer, one head of one channel: 32 bytes a block
+    with tempfile.TemporaryDirectory() as disk:
+        cfg = KVTiersConfig(host_bytes=host_blocks * 32, disk_path=disk if disk_blocks else None,
+                            disk_bytes=disk_blocks * (32 + HEADER.size))  # fmt: skip
+        tiers = TieredKVCache(cfg, kv_cache)
+        check_the_index_follows(BlockManager(num_blocks, BLOCK, tiers=tiers), script)
+        tiers.close()
+
+
+def check_the_index_follows(bm: BlockManager, script: list) -> None:
+    """Run ``script`` on ``bm``, publishing its events to an index: after each batch that arrives the index equals the
+    replica's prefix cache (pool and tiers); after a lost one it knows nothing of the replica until a snapshot."""
+    index, held, seq_no, resync = KVBlockIndex(), [], 0, True
+    tiered = bm.tiers.hashes if bm.tiers is not None else list
     for op in script:
         if op[0] == "run" and (seq := run_prompt(bm, op[1])) is not None:
             if op[2]:
@@ -65,13 +90,14 @@ def test_the_index_holds_what_the_event_stream_implies_and_a_gap_forces_a_resync
                 assert snapshot is None and not index.blocks.get("r0") and all("r0" not in h for h in index.holders.values())
             else:
                 assert index.blocks["r0"] == set(bm.hash_to_block), "the index must equal the replica's prefix cache"
+                assert index.tiered["r0"] == set(tiered()), "and its tiers"
         bm.check_invariants(held)
     snapshot, events = bm.take_kv_events(resync)
     if not index.apply("r0", seq_no + 1, events, snapshot):  # the last batch was lost: one more round trip
         snapshot, events = bm.take_kv_events(True)
         assert index.apply("r0", seq_no + 2, events, snapshot)
-    assert index.blocks["r0"] == set(bm.hash_to_block)
-    assert {h for h, holders in index.holders.items() if "r0" in holders} == index.blocks["r0"]
+    assert index.blocks["r0"] == set(bm.hash_to_block) and index.tiered["r0"] == set(tiered())
+    assert {h for h, holders in index.holders.items() if "r0" in holders} == index.blocks["r0"] | index.tiered["r0"]
 
 
 def publish(bm: BlockManager, index: KVBlockIndex, replica: str, seq_no: int) -> bool:

@@ -94,15 +94,18 @@ def test_unknown_model_is_404_and_an_adapter_for_another_base_is_400(lora_app):
 
 @settings(max_examples=25, deadline=None)
 @given(st.dictionaries(st.text(min_size=0, max_size=6), st.text(min_size=0, max_size=6), max_size=3),
-       st.integers(min_value=-2, max_value=80), st.integers(min_value=-2, max_value=300))  # fmt: skip
-def test_property_lora_section_is_validated_at_the_edge(adapters, max_loras, max_lora_rank):
+       st.integers(min_value=-2, max_value=80), st.integers(min_value=-2, max_value=300),
+       st.none() | st.integers(min_value=-2, max_value=100))  # fmt: skip
+def test_property_lora_section_is_validated_at_the_edge(adapters, max_loras, max_lora_rank, max_cpu_loras):
     """Any lora section is either a valid config or a ValidationError naming the field; never something in between."""
     try:
-        cfg = ServeConfig(model="m", lora={"adapters": adapters, "max_loras": max_loras, "max_lora_rank": max_lora_rank})
+        cfg = ServeConfig(model="m", lora={"adapters": adapters, "max_loras": max_loras, "max_lora_rank": max_lora_rank,
+                                           "max_cpu_loras": max_cpu_loras})  # fmt: skip
     except ValidationError as err:
         assert all(e["loc"][0] == "lora" for e in err.errors())
         return
     assert cfg.lora.max_loras >= 1 and cfg.lora.max_lora_rank >= 1
+    assert cfg.lora.max_cpu_loras is None or cfg.lora.max_cpu_loras >= cfg.lora.max_loras
     assert all(name.strip() and source.strip() for name, source in cfg.lora.adapters.items())
 
 

@@ -145,14 +145,14 @@ def test_autoscaled_pools_hand_their_autoscaling_config_to_ray_serve_llm(model_d
 
 @pytest.mark.parametrize("mode", ["pd", "colocated"])
 def test_lora_maps_to_vllms_slots_and_ray_serve_llms_adapter_store(model_dir, mode):
-    cfg = vllm_cfg(model_dir, f"mode={mode}", "lora={max_loras: 6, max_lora_rank: 32}",
+    cfg = vllm_cfg(model_dir, f"mode={mode}", "lora={max_loras: 6, max_lora_rank: 32, max_cpu_loras: 12}",
                    "vllm.dynamic_lora_loading_path=s3://bucket/adapters/")
     args = pd_serving_args(cfg, model_dir) if mode == "pd" else llm_serving_args(cfg, model_dir)
     roles = [args["prefill_config"], args["decode_config"]] if mode == "pd" else args["llm_configs"]
     for role in map(LLMConfig.model_validate, roles):  # pd: the same store on both legs, as PDServingArgs requires
         assert (role.lora_config.dynamic_lora_loading_path, role.lora_config.max_num_adapters_per_replica) == ("s3://bucket/adapters", 6)
-        assert {k: role.engine_kwargs[k] for k in ("enable_lora", "max_loras", "max_lora_rank")} == {
-            "enable_lora": True, "max_loras": 6, "max_lora_rank": 32}  # fmt: skip
+        assert {k: role.engine_kwargs[k] for k in ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")} == {
+            "enable_lora": True, "max_loras": 6, "max_lora_rank": 32, "max_cpu_loras": 12}  # fmt: skip
     assert "lora_config" not in llm_serving_args(vllm_cfg(model_dir, "mode=colocated"), model_dir)["llm_configs"][0]
 
 

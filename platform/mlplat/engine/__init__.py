@@ -4,7 +4,8 @@ Files, in reading order: config, sampling, sequence, block_manager, scheduler,
 model (Llama family over paged attention, plain), runner (weights + KV cache), engine
 (the step: schedule -> run -> post-process); beside them: cpu (CPU kernels and weight
 layouts, swapped into the model), quant (int8), spec_decode, kv_transfer (PD handoff),
-structured (grammar-constrained decoding with llguidance), flex (paged attention through
+kv_tiers (host and disk tiers below the prefix cache), structured (grammar-constrained
+decoding with llguidance), flex (paged attention through
 FlexAttention, swapped into the model), cuda_graph (decode steps replayed from CUDA graphs) and lora
 (many LoRA adapters on one base model, applied batched: wrappers swapped around the projections).
 """

@@ -4,15 +4,21 @@ A full block is keyed by the hash of its tokens chained with its parent block's
 hash, so equal keys mean equal prefixes. Blocks are reference-counted: sequences
 with a common prefix share its blocks. A block whose count drops to zero goes to the
 back of the free queue but keeps its hash: until it is reused (oldest first, LRU), a
-new sequence with the same prefix picks it up without recomputing.
+new sequence with the same prefix picks it up without recomputing. With tiers (engine.kv_tiers), a hashed block
+that is reused is first copied to host memory (and from there to disk), and a prefix that continues there is loaded
+back into fresh blocks (``tiered_prefix``, ``load_tiered_prefix``) instead of recomputed.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from mlplat.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from mlplat.engine.kv_tiers import TieredKVCache
 
 
 def block_hash(token_ids: list[int], parent_hash: int | None) -> int:
@@ -42,16 +48,22 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, tiers: TieredKVCache | None = None):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU order
         self.hash_to_block: dict[int, int] = {}
         self.queried_tokens = 0
-        self.hit_tokens = 0
+        self.hit_tokens = 0  # of which tier_hit_tokens were loaded from the tiers
+        self.tier_hit_tokens = 0
         # Prefix-cache changes for a KV-event router (mlplat.serve.kv_index): recorded once take_kv_events is first called.
         self.kv_events: list[tuple[str, int | None]] | None = None
+        self.tiers = tiers  # host (and disk) tiers below the pool; they report blocks entering and leaving them here
+        if tiers is not None:
+            tiers.record = self._record
+        # Past one event per block held (pool and tiers) a snapshot is smaller than the events.
+        self.max_kv_events = num_blocks + (tiers.capacity_blocks if tiers is not None else 0)
 
     @property
     def num_free_blocks(self) -> int:
@@ -110,6 +122,8 @@ class BlockManager:
             if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]  # evict from the prefix cache
                 self._record("evicted", block.hash)
+                if self.tiers is not None:  # its KV, before the new owner's step overwrites it
+                    self.tiers.offload(block.hash, block_id)
             block.hash, block.token_ids, block.ref_count = None, [], 1
             seq.block_table.append(block_id)
         return True
@@ -135,6 +149,41 @@ class BlockManager:
         child.num_computed_tokens = parent.num_computed_tokens
         return list(zip(partial, child.block_table[full:]))
 
+    def tiered_prefix(self, seq: Sequence, cached: list[int]) -> list[int]:
+        """Hashes of the blocks that continue ``seq``'s pool-cached prefix (``cached``, from ``cached_prefix``) in the
+        tiers, in order; as there, at least one token is left to compute."""
+        if self.tiers is None or not self.enable_prefix_caching:
+            return []
+        found, parent = [], self.blocks[cached[-1]].hash if cached else block_hash_seed(seq.params.lora_name)
+        for i in range(len(cached), (len(seq) - 1) // self.block_size):
+            parent = block_hash(seq.block_tokens(i, self.block_size), parent)
+            if parent not in self.tiers:
+                break
+            found.append(parent)
+        self.tiers.touch(reversed(found))  # the first block most recent: a chain is only as long as its first gap
+        return found
+
+    def load_tiered_prefix(self, seq: Sequence, hashes: list[int]) -> int:
+        """Load the blocks ``tiered_prefix`` found into the fresh blocks that ``allocate_slots`` gave ``seq`` after its
+        cached prefix, each registered in the prefix cache as if computed. Stops at the first block no tier can serve
+        (its file gone or corrupt): from there the prompt is computed. Returns how many blocks were loaded."""
+        first = seq.num_computed_tokens // self.block_size
+        assert seq.num_computed_tokens % self.block_size == 0 and len(seq.block_table) >= first + len(hashes)
+        loaded = 0
+        for i, h in enumerate(hashes, start=first):
+            block = self.blocks[seq.block_table[i]]
+            assert block.ref_count == 1 and block.hash is None, "a fresh block of this sequence"
+            if not self.tiers.load(h, block.block_id):
+                break
+            block.token_ids, block.hash = seq.block_tokens(i, self.block_size), h
+            if self.hash_to_block.setdefault(h, block.block_id) == block.block_id:  # not a duplicate
+                self._record("stored", h)
+            loaded += 1
+        seq.num_computed_tokens += loaded * self.block_size
+        self.hit_tokens += loaded * self.block_size
+        self.tier_hit_tokens += loaded * self.block_size
+        return loaded
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks that ``seq`` has completely computed in the prefix cache."""
         if not self.enable_prefix_caching:
@@ -156,20 +205,23 @@ class BlockManager:
         self.hash_to_block.clear()
         for block in self.blocks:
             block.hash, block.token_ids = None, []
+        if self.tiers is not None:
+            self.tiers.clear()
         if self.kv_events is not None:
             self.kv_events = [("cleared", None)]  # subsumes what came before
 
     def _record(self, kind: str, h: int) -> None:
         # Past one event per block a snapshot is smaller: stop recording, take_kv_events sends one.
-        if self.kv_events is not None and len(self.kv_events) <= len(self.blocks):
+        if self.kv_events is not None and len(self.kv_events) <= self.max_kv_events:
             self.kv_events.append((kind, h))
 
     def take_kv_events(self, snapshot: bool = False) -> tuple[list[int] | None, list[tuple[str, int | None]]]:
         """The prefix cache's changes since the last call: (None, events), or (every cached hash, []) when
-        ``snapshot`` is asked, on the first call (recording starts then) or when a snapshot is smaller."""
+        ``snapshot`` is asked, on the first call (recording starts then) or when a snapshot is smaller. With tiers, a
+        snapshot's events say what the tiers hold: ("offloaded", h) each."""
         events, self.kv_events = self.kv_events, []
-        if snapshot or events is None or len(events) > len(self.blocks):
-            return list(self.hash_to_block), []
+        if snapshot or events is None or len(events) > self.max_kv_events:
+            return list(self.hash_to_block), [("offloaded", h) for h in self.tiers.hashes()] if self.tiers is not None else []
         return None, events
 
     def free_sequence(self, seq: Sequence) -> None:
@@ -193,3 +245,7 @@ class BlockManager:
         for block in self.blocks:
             assert block.ref_count == refs[block.block_id], f"block {block.block_id}: {block.ref_count} != {refs[block.block_id]}"
             assert (block.ref_count == 0) == (block.block_id in self.free), f"block {block.block_id} free-list mismatch"
+        for h, block_id in self.hash_to_block.items():
+            assert self.blocks[block_id].hash == h, f"block {block_id} is cached under a hash it does not have"
+        if self.tiers is not None:
+            self.tiers.check_invariants()

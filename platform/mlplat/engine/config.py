@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -30,8 +31,38 @@ class MultiLoRAConfig(Config):
 
     max_loras: int = Field(4, ge=1)  # adapters resident per replica (device slots, LRU): a batch mixes up to this many
     max_lora_rank: int = Field(16, ge=1)  # the largest adapter rank accepted; every slot is sized for it
+    # adapters kept read in host memory (LRU; one evicted there is read from its directory again); None: max_loras
+    max_cpu_loras: int | None = Field(None, ge=1)
     # served name -> peft adapter directory (the serve app also takes models:/NAME@ALIAS and resolves it); read on first use
     adapters: dict[str, str] = {}
+
+    @model_validator(mode="after")
+    def _cpu_at_least_device(self):
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) < max_loras ({self.max_loras}): the host keeps at least as "
+                             "many adapters as the device (vLLM's rule); raise max_cpu_loras or leave it unset")
+        return self
+
+
+class KVTiersConfig(Config):
+    """A second (and third) tier for the prefix cache (engine.kv_tiers): blocks evicted from the KV pool are kept in host
+    memory, and what falls out of host memory on local disk, keyed by the same chained block hash; a prompt whose prefix
+    is found there loads those blocks instead of recomputing them (LMCache's and Mooncake's offloading, in one process).
+    Sizes are in bytes; each tier must hold at least one block (checked when the engine starts, once a block's size is known)."""
+
+    host_bytes: int = Field(gt=0)  # host-memory tier, allocated at start (pinned on CUDA)
+    # local-disk tier: the engine writes under a directory of its own inside this one (removed when it exits); None: no disk tier
+    disk_path: Path | None = None
+    disk_bytes: int = Field(0, ge=0)  # the disk tier's bound (block files, with their headers)
+
+    @model_validator(mode="after")
+    def _disk_has_a_size(self):
+        if self.disk_path is not None and self.disk_bytes == 0:
+            raise ValueError(f"kv_tiers.disk_path is {str(self.disk_path)!r} but kv_tiers.disk_bytes is 0: set disk_bytes to the "
+                             "disk tier's size in bytes, or remove disk_path")
+        if self.disk_path is None and self.disk_bytes:
+            raise ValueError("kv_tiers.disk_bytes is set without kv_tiers.disk_path: set disk_path to a local directory")
+        return self
 
 
 class EngineConfig(Config):
@@ -70,6 +101,14 @@ class EngineConfig(Config):
     # next of these batch sizes and replayed from a CUDA graph captured at start-up (engine.cuda_graph). [] = eager.
     cuda_graph_batch_sizes: list[int] = []
     lora: MultiLoRAConfig | None = None  # serve LoRA adapters (requests name one in SamplingParams.lora_name); None: off
+    kv_tiers: KVTiersConfig | None = None  # host-memory (and disk) tiers below the prefix cache (engine.kv_tiers); None: pool only
+
+    @model_validator(mode="after")
+    def _tiers_extend_the_prefix_cache(self):
+        if self.kv_tiers is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_tiers extends the prefix cache, which enable_prefix_caching: false turns off: "
+                             "set enable_prefix_caching: true, or remove kv_tiers")
+        return self
 
     @model_validator(mode="after")
     def _check_gpu_paths(self):

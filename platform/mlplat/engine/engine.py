@@ -20,6 +20,7 @@ import torch
 from mlplat.engine import kv_transfer
 from mlplat.engine.block_manager import BlockManager
 from mlplat.engine.config import EngineConfig
+from mlplat.engine.kv_tiers import TieredKVCache
 from mlplat.engine.kv_transfer import KVPayload
 from mlplat.engine.runner import ModelRunner
 from mlplat.engine.sampling import SamplingParams, sample, top_logprobs
@@ -71,7 +72,8 @@ class LLMEngine:
         self.cfg = cfg
         self.runner = ModelRunner(cfg)
         self.tokenizer = load_tokenizer(cfg.model)
-        self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        tiers = TieredKVCache(cfg.kv_tiers, self.runner.kv_cache) if cfg.kv_tiers is not None else None
+        self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching, tiers)
         self.scheduler = Scheduler(cfg, self.block_manager, self.runner.lora)
         self.requests: dict[str, list[Sequence]] = {}
         self.exports: dict[str, kv_transfer.Export] = {}  # prefill-only requests in flight (kv_transfer.add_export)
@@ -147,7 +149,7 @@ class LLMEngine:
         if params.lora_name is not None:
             if self.runner.lora is None:
                 raise ValueError(f"lora_name: {params.lora_name!r}, but this engine serves no adapters (EngineConfig.lora is unset)")
-            self.runner.lora.adapter(params.lora_name)
+            self.runner.lora.check(params.lora_name)
         bad = next((t for t in params.logit_bias if t >= self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {self.vocab_size})")
@@ -415,7 +417,7 @@ class LLMEngine:
     def update_weights(self, items: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor]) -> int:
         """Load new HF-named weights in place (e.g. from a trainer); the KV cache is kept.
 
-        Cached prefixes were computed by the old weights, so the prefix cache is dropped."""
+        Cached prefixes were computed by the old weights, so the prefix cache (and its tiers) is dropped."""
         if isinstance(items, dict):
             items = items.items()
         loaded = self.runner.update_weights(items)

@@ -165,6 +165,9 @@ def read_adapter(name: str, path: str | Path, modules: dict[str, LoRALinear], ma
     if config.get("peft_type", "LORA") != "LORA" or config.get("use_rslora") or config.get("use_dora") \
             or config.get("rank_pattern") or config.get("alpha_pattern"):  # fmt: skip
         raise ValueError(f"adapter {name!r}: only plain LoRA is served (no rsLoRA, DoRA or per-module ranks)")
+    missing = [key for key in ("r", "lora_alpha") if key not in config]
+    if missing:
+        raise ValueError(f"adapter {name!r}: {ADAPTER_CONFIG} lacks {' and '.join(map(repr, missing))}: save it with peft")
     rank = int(config["r"])
     if rank > max_rank:
         raise ValueError(f"adapter {name!r}: rank {rank} is over this engine's max_lora_rank ({max_rank}); raise lora.max_lora_rank")
@@ -201,12 +204,15 @@ def read_adapter(name: str, path: str | Path, modules: dict[str, LoRALinear], ma
 
 
 class LoRAManager:
-    """Adapters by name (read on first use, then kept on the host) and the device slots (LRU, pinned while in use)."""
+    """Adapters by name (read on first use, then kept on the host, LRU) and the device slots (LRU, pinned while in use)."""
 
     def __init__(self, cfg: MultiLoRAConfig, context: LoRAContext, modules: dict[str, LoRALinear], dtype: torch.dtype):
         self.cfg, self.context, self.modules, self.dtype = cfg, context, modules, dtype
         self.paths: dict[str, Path] = {name: Path(p) for name, p in cfg.adapters.items()}
-        self.host: dict[str, LoRAAdapter] = {}
+        self.host: OrderedDict[str, LoRAAdapter] = OrderedDict()  # read adapters, least recently used first
+        self.max_host = cfg.max_cpu_loras or cfg.max_loras
+        self.num_reads = 0
+        self.checked: set[str] = set()  # adapters read once and found compatible: admission need not read them again
         self.slots: OrderedDict[str, int] = OrderedDict()  # resident adapters, least recently used first
         self.pins: Counter[str] = Counter()  # running sequences per resident adapter
         self.num_slot_loads = 0
@@ -217,13 +223,25 @@ class LoRAManager:
         total = sum(b.numel() * b.element_size() for m in self.modules.values() for n, b in m.named_buffers() if n.startswith("lora_"))
         return total // self.cfg.max_loras
 
+    def check(self, name: str) -> None:
+        """Admission's check: ValueError for an unknown or incompatible adapter (read once, not on every request)."""
+        if name not in self.checked:
+            self.adapter(name)
+            self.checked.add(name)
+
     def adapter(self, name: str) -> LoRAAdapter:
         """The adapter's host weights, read and checked on first use: ValueError for an unknown or incompatible one."""
-        if name not in self.host:
-            if name not in self.paths:
-                raise ValueError(f"lora_name: unknown adapter {name!r}; this engine has {sorted(self.paths)}")
-            self.host[name] = read_adapter(name, self.paths[name], self.modules, self.cfg.max_lora_rank, self.dtype)
-        return self.host[name]
+        if name in self.host:
+            self.host.move_to_end(name)
+            return self.host[name]
+        if name not in self.paths:
+            raise ValueError(f"lora_name: unknown adapter {name!r}; this engine has {sorted(self.paths)}")
+        adapter = read_adapter(name, self.paths[name], self.modules, self.cfg.max_lora_rank, self.dtype)
+        self.num_reads += 1
+        self.host[name] = adapter
+        while len(self.host) > self.max_host:  # a replica addressed by many adapters keeps only max_cpu_loras of them read
+            self.host.popitem(last=False)
+        return adapter
 
     def can_pin(self, name: str) -> bool:
         return name in self.slots or len(self.slots) < self.cfg.max_loras or any(self.pins[n] == 0 for n in self.slots)
@@ -233,6 +251,7 @@ class LoRAManager:
         if name in self.slots:
             self.slots.move_to_end(name)
         else:
+            adapter = self.adapter(name)  # before any eviction: a read that fails leaves the slots as they were
             used = set(self.slots.values())
             free = [s for s in range(self.cfg.max_loras) if s not in used]
             if free:
@@ -241,7 +260,6 @@ class LoRAManager:
                 victim = next(n for n in self.slots if self.pins[n] == 0)  # can_pin said there is one
                 slot = self.slots.pop(victim)
                 del self.pins[victim]
-            adapter = self.adapter(name)
             for module_name, module in self.modules.items():
                 module.set_slot(slot, adapter.weights.get(module_name, [None] * len(module.slice_sizes)))
             self.slots[name] = slot

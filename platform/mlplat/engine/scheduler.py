@@ -92,12 +92,19 @@ class Scheduler:
                 break  # it waits for a prompt in progress to finish (EngineConfig.max_num_prefills)
             # A prompt whose log-probs are asked for is computed whole: cached positions would have no logits.
             cached = self.block_manager.cached_prefix(seq) if fresh and not seq.needs_prompt_logprobs else []
-            n = min(len(seq) - len(cached) * self.block_manager.block_size - seq.num_computed_tokens, budget)
-            if not self.block_manager.allocate_slots(seq, n, cached, after_lookup=fresh):
+            # Blocks after those in lower tiers (EngineConfig.kv_tiers): loaded whole at admission, outside the token budget.
+            tiered = self.block_manager.tiered_prefix(seq, cached) if fresh and not seq.needs_prompt_logprobs else []
+            n, admitted = self._allocate_prefix(seq, cached, tiered, budget, fresh)
+            if not admitted and tiered:  # too few free blocks to load it all now: compute it chunk by chunk instead
+                tiered = []
+                n, admitted = self._allocate_prefix(seq, cached, tiered, budget, fresh)
+            if not admitted:
                 if self.running or not self._reclaim_waiting_blocks(seq):
                     break
                 continue  # the head again, with the blocks taken back
             self.waiting.popleft()
+            if tiered:  # blocks that fail to load (gone, corrupt) are computed: the n tokens after them come later
+                self.block_manager.load_tiered_prefix(seq, tiered)
             if seq.params.lora_name is not None:
                 seq.lora_slot = self.lora.pin(seq.params.lora_name)
             seq.status = Status.RUNNING
@@ -107,6 +114,13 @@ class Scheduler:
             prefilling += fresh
         self.waiting.extendleft(reversed(skipped))
         return scheduled
+
+    def _allocate_prefix(self, seq: Sequence, cached: list[int], tiered: list[int], budget: int, after_lookup: bool) -> tuple[int, bool]:
+        """Blocks for a waiting sequence: its cached prefix shared, fresh ones for its ``tiered`` blocks (to load) and
+        its first chunk of new tokens. Returns (that chunk's tokens, whether the blocks were free)."""
+        bs = self.block_manager.block_size
+        n = min(len(seq) - (len(cached) + len(tiered)) * bs - seq.num_computed_tokens, budget)
+        return n, self.block_manager.allocate_slots(seq, len(tiered) * bs + n, cached, after_lookup=after_lookup)
 
     def _reclaim_waiting_blocks(self, head: Sequence) -> bool:
         """Free the blocks that a waiting sequence holds (one imported with its prompt's KV, the latest

@@ -172,6 +172,7 @@ class LoRAServingConfig(Config):
 
     max_loras: int = Field(4, ge=1)  # adapters resident per engine replica (LRU; loaded on first use), mixed in one batch
     max_lora_rank: int = Field(16, ge=1)  # the largest rank accepted
+    max_cpu_loras: int | None = Field(None, ge=1)  # adapters kept read in host memory per replica (LRU); None: max_loras
     # served name -> models:/NAME@ALIAS (registered with only the adapter, e.g. by the SFT recipe's lora.register_as: adapter)
     # or a peft adapter directory
     adapters: dict[str, str] = Field(default_factory=dict)
@@ -183,6 +184,12 @@ class LoRAServingConfig(Config):
             if not name.strip() or not source.strip():
                 raise ValueError(f"adapters: {name!r}: {source!r}: give each adapter a name and a models:/ URI or directory")
         return adapters
+
+    @model_validator(mode="after")
+    def _cpu_at_least_device(self):
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:  # as EngineConfig.lora and vLLM check
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) < max_loras ({self.max_loras}): raise max_cpu_loras or leave it unset")
+        return self
 
 
 class ServeConfig(Config):

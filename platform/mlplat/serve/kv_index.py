@@ -3,6 +3,9 @@
 As Dynamo's KV router and llm-d's kv-cache manager do, every engine replica publishes what its
 prefix cache gains and loses, keyed by the chained block hash the cache already uses
 (``mlplat.engine.block_manager.block_hash``): ``("stored", h)``, ``("evicted", h)``, ``("cleared", None)``.
+A replica with tiers below its pool (``EngineConfig.kv_tiers``: host memory, disk) also says what enters them,
+``("offloaded", h)``, and leaves them, ``("dropped", h)``; a block there is loaded back instead of recomputed, so it
+counts as held (the index keeps it apart, for operators: ``describe``).
 The router walks a prompt's chained hashes and asks which replicas hold how long a prefix.
 
 Transport, within Ray: one index actor per routed deployment (a named Ray actor, ``KVIndexActor``) that
@@ -47,7 +50,7 @@ PUBLISH_PERIOD_S = 0.05  # how often a replica drains its engine's events (a pus
 HEARTBEAT_S = 1.0  # an empty push at least this often: a restarted index asks for a snapshot within a second
 MAX_RETIRED = 4096  # replica ids remembered as gone (their late pushes are ignored)
 
-KVEvent = tuple[str, int | None]  # ("stored" | "evicted", block hash) or ("cleared", None)
+KVEvent = tuple[str, int | None]  # ("stored" | "evicted" | "offloaded" | "dropped", block hash) or ("cleared", None)
 
 
 def prompt_block_hashes(prompt_ids: Sequence[int], block_size: int, seed: int | None = None) -> list[int]:
@@ -61,11 +64,14 @@ def prompt_block_hashes(prompt_ids: Sequence[int], block_size: int, seed: int | 
 
 
 class KVBlockIndex:
-    """Per replica: the set of block hashes its prefix cache holds, as its event stream implies."""
+    """Per replica: the set of block hashes its prefix cache holds (``blocks``: its KV pool; ``tiered``: its host and
+    disk tiers), as its event stream implies."""
 
     def __init__(self) -> None:
         self.blocks: dict[str, set[int]] = {}
-        self.holders: dict[int, set[str]] = {}  # block hash -> replicas holding it (the inverse of ``blocks``)
+        self.tiered: dict[str, set[int]] = {}
+        # block hash -> replicas holding it, in the pool or a tier (the inverse of ``blocks`` and ``tiered``)
+        self.holders: dict[int, set[str]] = {}
         self.last_seq: dict[str, int] = {}
         self.retired: OrderedDict[str, None] = OrderedDict()
 
@@ -76,7 +82,7 @@ class KVBlockIndex:
             return True  # gone: nothing to resync
         if snapshot is not None:
             self.drop(replica)
-            self.blocks[replica] = set()
+            self.blocks[replica], self.tiered[replica] = set(), set()
             for h in snapshot:
                 self._store(replica, h)
         elif self.last_seq.get(replica) != seq - 1:
@@ -88,20 +94,27 @@ class KVBlockIndex:
                 self._store(replica, h)
             elif kind == "evicted":
                 self._evict(replica, h)
+            elif kind == "offloaded":
+                self._store(replica, h, self.tiered)
+            elif kind == "dropped":
+                self._evict(replica, h, self.tiered)
             elif kind == "cleared":
                 for held in list(self.blocks[replica]):
                     self._evict(replica, held)
+                for held in list(self.tiered[replica]):
+                    self._evict(replica, held, self.tiered)
             else:
                 raise ValueError(f"unknown KV event {kind!r}")
         return True
 
-    def _store(self, replica: str, h: int) -> None:
-        self.blocks[replica].add(h)
+    def _store(self, replica: str, h: int, where: dict[str, set[int]] | None = None) -> None:
+        (self.blocks if where is None else where)[replica].add(h)
         self.holders.setdefault(h, set()).add(replica)
 
-    def _evict(self, replica: str, h: int) -> None:
-        self.blocks[replica].discard(h)
-        self._unhold(replica, h)
+    def _evict(self, replica: str, h: int, where: dict[str, set[int]] | None = None) -> None:
+        (self.blocks if where is None else where)[replica].discard(h)
+        if h not in self.blocks[replica] and h not in self.tiered[replica]:  # held still in the other
+            self._unhold(replica, h)
 
     def _unhold(self, replica: str, h: int) -> None:
         holders = self.holders.get(h)
@@ -112,7 +125,7 @@ class KVBlockIndex:
 
     def drop(self, replica: str) -> None:
         """Forget ``replica``'s entries (it stays known: its next batch must be a snapshot)."""
-        for h in self.blocks.pop(replica, ()):
+        for h in self.blocks.pop(replica, set()) | self.tiered.pop(replica, set()):
             self._unhold(replica, h)
         self.last_seq.pop(replica, None)
 
@@ -155,8 +168,10 @@ class KVIndexActor:
         self.index.retire(retired)
         return self.index.matched_blocks(hashes, replicas)
 
-    def describe(self) -> dict[str, int]:
-        """Blocks held per known replica (for tests and operators)."""
+    def describe(self, tiers: bool = False) -> dict[str, int] | dict[str, tuple[int, int]]:
+        """Blocks held per known replica (for tests and operators); ``tiers``: (in its pool, in its tiers) each."""
+        if tiers:
+            return {replica: (len(blocks), len(self.index.tiered[replica])) for replica, blocks in self.index.blocks.items()}
         return {replica: len(blocks) for replica, blocks in self.index.blocks.items()}
 
     def holders(self, hashes: list[int]) -> dict[str, int]:

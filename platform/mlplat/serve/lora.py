@@ -23,7 +23,8 @@ class ResolvedAdapters:
 
     def engine_config(self, lora: LoRAServingConfig) -> dict:
         """EngineConfig.lora's fields."""
-        return {"max_loras": lora.max_loras, "max_lora_rank": lora.max_lora_rank, "adapters": dict(self.paths)}
+        return {"max_loras": lora.max_loras, "max_lora_rank": lora.max_lora_rank, "max_cpu_loras": lora.max_cpu_loras,
+                "adapters": dict(self.paths)}
 
 
 def _same_model(base: str, model: str, model_dir: Path) -> bool:

@@ -148,6 +148,7 @@ class KVEventRouter(FIFOMixin, RequestRouter):
         self.index_timeout_s = index_timeout_s
         self._index = None  # the index actor: the first router to ask creates it, the others find it by name
         self._retired: list[str] = []  # replicas seen leaving, not yet reported to the index
+        self._reports: set[asyncio.Task] = set()  # reports of them in flight
         self._index_ok = True
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -162,7 +163,9 @@ class KVEventRouter(FIFOMixin, RequestRouter):
         self._retired += [r.to_full_id_str() for r in replica_ids]
         if self._retired:  # report now: the next query may be a while (or a pool of one, which asks nothing)
             try:
-                self._reporting = asyncio.get_running_loop().create_task(self._matched([], []))
+                task = asyncio.get_running_loop().create_task(self._matched([], []))
+                self._reports.add(task)  # held until done: the event loop keeps only a weak reference
+                task.add_done_callback(self._reports.discard)
             except RuntimeError:  # no event loop in this thread: the next query carries them
                 pass
 

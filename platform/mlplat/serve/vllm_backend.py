@@ -70,6 +70,8 @@ def llm_config(cfg: ServeConfig, role: Role, model_dir: Path) -> dict[str, Any]:
         engine_kwargs["kv_transfer_config"] = kv_transfer_config(cfg)
     if cfg.lora is not None:  # vLLM's LoRA slots; ServeConfig requires vllm.dynamic_lora_loading_path with it
         engine_kwargs |= {"enable_lora": True, "max_loras": cfg.lora.max_loras, "max_lora_rank": cfg.lora.max_lora_rank}
+        if cfg.lora.max_cpu_loras is not None:
+            engine_kwargs["max_cpu_loras"] = cfg.lora.max_cpu_loras
     config: dict[str, Any] = {
         "model_loading_config": {"model_id": cfg.served_name(model_dir), "model_source": str(model_dir)},
         "engine_kwargs": engine_kwargs,
