@@ -73,6 +73,31 @@ def test_worker_progress_reaches_the_drivers_display(ray_cluster):
         ray.get_actor("mlplat-progress")  # the display took its board with it
 
 
+def test_a_tasks_last_figures_are_on_the_board_when_it_returns(ray_cluster):
+    """The driver's last poll is not ordered after a worker's calls to the board: the final post must have landed
+    before the task returns. A board slow to take updates (but free to answer snapshots) shows it."""
+    import ray
+
+    from mlplat.observability.progress import BOARD_NAME, ProgressBoard
+
+    class SlowBoard(ProgressBoard):
+        def update(self, key: str, record: dict) -> None:
+            time.sleep(1.0)
+            super().update(key, record)
+
+    @ray.remote(num_cpus=0)
+    def count(n):
+        ProgressReporter("counting", n, unit="row").update(n)  # the last post alone
+        return n
+
+    board = ray.remote(num_cpus=0, max_concurrency=4)(SlowBoard).options(name=BOARD_NAME).remote()
+    try:
+        assert ray.get(count.remote(5)) == 5
+        assert [r["done"] for r in ray.get(board.snapshot.remote()).values()] == [5]
+    finally:
+        ray.kill(board)
+
+
 PIPELINE = textwrap.dedent("""
     from mlplat.observability.progress import ProgressReporter
     from mlplat.pipeline import pipeline, step

@@ -41,8 +41,8 @@ class ProgressBoard:
 class ProgressReporter:
     """Posts ``done``/``total`` (and figures such as the loss) to the job's board, if a display reads one.
 
-    Posts are fire-and-forget and at most one per ``every_s`` (the last one always), so a training
-    step never waits on them."""
+    Posts are fire-and-forget and at most one per ``every_s`` (the last one always, and waited for), so a
+    training step never waits on them."""
 
     LOOKUP_EVERY_S = 5.0
 
@@ -60,7 +60,11 @@ class ProgressReporter:
         self._posted = now
         record = {"task": self.task, "done": done, "total": self.total, "unit": self.unit, "figures": figures, "time": time.time()}
         try:
-            board.update.remote(self.key, record)
+            posted = board.update.remote(self.key, record)
+            if done >= self.total:
+                # The last figures land before the task returns: the driver's final poll, sent after it sees the result,
+                # is not ordered after this worker's calls to the board and could otherwise miss them.
+                sys.modules["ray"].get(posted, timeout=10)
         except Exception:  # noqa: BLE001 - the board went away with its driver: progress is not worth failing a step
             self._board = None
 

@@ -93,6 +93,7 @@ class Jobs:
 
     @contextlib.contextmanager
     def _errors(self) -> Iterator[None]:
+        import requests
         from ray.exceptions import AuthenticationError
 
         try:
@@ -104,7 +105,7 @@ class Jobs:
                 f"{self.address} requires a token (Ray token auth): pass --auth-token-file FILE, set RAY_AUTH_TOKEN or "
                 "RAY_AUTH_TOKEN_PATH, or RAY_AUTH_MODE=token with ~/.ray/auth_token"
             ) from None
-        except ConnectionError:
+        except (ConnectionError, requests.exceptions.ConnectionError):  # requests raises its own, not the builtin
             raise MlplatError(
                 f"cannot reach the Ray Jobs API at {self.address}: is a Ray head running there, with its dashboard port open?"
             ) from None
@@ -120,7 +121,19 @@ class Jobs:
 
     def submit(self, **kwargs) -> str:
         with self._errors():
-            return self.client.submit_job(**kwargs)
+            return self._submit(**kwargs)
+
+    def _submit(self, agent_wait_s: float = 60, **kwargs) -> str:
+        # A head that has just started answers 500 "No available agent to submit job, please try again later" until its
+        # node's dashboard agent has registered (seconds; longer on a busy machine): wait for it as that message asks.
+        deadline = time.monotonic() + agent_wait_s
+        while True:
+            try:
+                return self.client.submit_job(**kwargs)
+            except RuntimeError as err:
+                if "No available agent" not in str(err) or time.monotonic() > deadline:
+                    raise
+            time.sleep(1)
 
     def status(self, job_id: str) -> str:
         with self._errors():
@@ -176,9 +189,9 @@ class Jobs:
         """Run PROBE in the job's runtime_env (working_dir, env_vars) on the cluster; the job record is deleted after."""
         requirements = mlplat_requirements()
         with self._errors():
-            job_id = self.client.submit_job(entrypoint=shlex.join(["python", "-c", PROBE, json.dumps(requirements)]),
-                                            runtime_env=runtime_env, entrypoint_num_cpus=0,
-                                            submission_id=f"mlplat-probe-{uuid.uuid4().hex[:8]}")
+            job_id = self._submit(entrypoint=shlex.join(["python", "-c", PROBE, json.dumps(requirements)]),
+                                  runtime_env=runtime_env, entrypoint_num_cpus=0,
+                                  submission_id=f"mlplat-probe-{uuid.uuid4().hex[:8]}")
             deadline = time.monotonic() + timeout_s
             while (info := self.client.get_job_info(job_id)).status.value not in TERMINAL:
                 if time.monotonic() > deadline:
