@@ -26,7 +26,7 @@ from mlplat.data.preference import PreferenceDataConfig
 from mlplat.models import TinyModelConfig
 from mlplat.pipeline import Dataset, Model, pipeline, step, step_context
 from mlplat.train.optim import OptimizerConfig
-from pipelines.quickstart import demo_data, evaluate, sft, tiny_model
+from pipelines.quickstart import SFT_OPTIM, demo_data, evaluate, sft, tiny_model
 
 
 class PreferenceStageConfig(Config):
@@ -44,7 +44,7 @@ class PreferenceConfig(Config):
     model: TinyModelConfig = TinyModelConfig()
     policy: str | None = None  # an SFT model (directory or models:/...) to start from; None: train one here
     sft_steps: int = Field(1000, gt=0)  # as the quickstart's SFT (see its max_steps)
-    sft_optim: OptimizerConfig = OptimizerConfig()
+    sft_optim: OptimizerConfig = SFT_OPTIM  # as the quickstart's SFT
     sft_registered_model: str = "demo-sft"
     reward_model: PreferenceStageConfig = PreferenceStageConfig(
         max_steps=160, optim=OptimizerConfig(lr=3e-4, warmup_steps=10), registered_model="demo-reward-model"
