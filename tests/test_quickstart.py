@@ -14,7 +14,7 @@ from pipelines.quickstart import QuickstartConfig, run_quickstart
 
 ONE_DIGIT = dict(
     data=DemoDataConfig(max_digits=1, sft_rows=4000, eval_rows=30, preference_rows=100, rl_rows=400),
-    max_steps=150,  # 67% held-out exact match here (30 prompts), from 0%
+    max_steps=150,  # 63-67% held-out exact match here (30 prompts, by machine), from 0%
     optim=OptimizerConfig(lr=1e-3, warmup_steps=30),
     eval_limit=30,
     grpo_steps=4,  # two rollouts: the second samples from weights synced after two optimizer steps
