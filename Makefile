@@ -28,10 +28,10 @@ install-dev: $(VENV)/.installed-dev
 quickstart: install
 	$(BIN)/mlplat quickstart
 
-# One process: on 2 cores, two xdist workers (`-n 2 --dist loadgroup`, grouped by tests/conftest.py) save ~10-20%
-# but starve deadline-bound end-to-end tests (docs/testing.md); on a bigger machine add them.
+# Two pytest-xdist workers: one runs the tests on the session's Ray cluster, the other everything else beside it
+# (tests/conftest.py; docs/testing.md).
 test: install-dev kernels prometheus redis
-	$(BIN)/python -m pytest -q -ra --durations=25
+	$(BIN)/python -m pytest -q -ra --durations=25 -n 2 --dist loadgroup
 
 # The unit tests alone: no Ray cluster, no end-to-end runs (under 2 minutes on 2 cores).
 test-fast: install-dev

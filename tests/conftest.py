@@ -40,10 +40,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
 # `make test-fast` runs the unit tests: none that needs a Ray cluster (through these fixtures, or one it
 # starts itself: marked `cluster`) and none of the `slow` end-to-end runs. `make test` runs everything.
 CLUSTER_FIXTURES = {"ray_cluster", "ray_head", "token_auth_head"}
-# Ray Train, Ray Data and pipeline runs: no Serve, no Prometheus
-CLUSTER_MODULES_THAT_SERVE_NOTHING = {"test_console.py", "test_data_loader.py", "test_data_pipeline.py", "test_data_schemas.py",
-                                      "test_data_sources.py", "test_packing.py", "test_pipeline.py", "test_pipeline_cache.py",
-                                      "test_posttrain.py", "test_sft_resume.py"}  # fmt: skip
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks (`--dist loadgroup`)
@@ -51,15 +47,10 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if CLUSTER_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.cluster)
-        # `pytest -n 2 --dist loadgroup` (docs/testing.md; `make test` runs one process) gives two workers, each with
-        # its own session (and Ray cluster, if it runs a test that needs one). The tests on the cluster run in one of
-        # them, in file order (one Serve on port 8000, Prometheus scraping that cluster); unit tests, loop-level runs
-        # and tests with a Ray head of their own run on the other, in the time the first spends waiting on Ray. Modules
-        # that train on the cluster but serve nothing run together wherever there is room: on the second worker they
-        # start its own cluster, which balances the two.
-        if "ray_cluster" in item.fixturenames:
-            module = item.path.name
-            item.add_marker(pytest.mark.xdist_group(module if module in CLUSTER_MODULES_THAT_SERVE_NOTHING else "ray_cluster"))
+        # `make test` runs two pytest-xdist workers, each a session of its own (docs/testing.md): one runs the tests on
+        # the session's Ray cluster, in file order (one Serve on port 8000, the Prometheus that scrapes that cluster);
+        # the other, beside it, everything else (unit tests, loop-level runs, tests with a Ray head of their own).
+        item.add_marker(pytest.mark.xdist_group("session_cluster" if "ray_cluster" in item.fixturenames else "beside"))
 
 
 def built_once(tmp_path_factory, name: str, build) -> Path:
