@@ -47,7 +47,7 @@ class QuickstartConfig(Config):
     model: TinyModelConfig = TinyModelConfig()
     optim: OptimizerConfig = SFT_OPTIM
     # 600 steps (at lr 1e-3) sat on the edge of the task's sudden drop in loss: held-out exact match 7-70% by data
-    # order (shuffle seed); 1000 got past it in every order tried on that machine, not on all (SFT_OPTIM). 4-6 minutes
+    # order (shuffle seed); 1000 got past it in every order tried on that machine, not on all (SFT_OPTIM). 3.5-6 minutes
     # of SFT on 2 CPU cores.
     max_steps: int = 1000
     num_workers: int = 2
